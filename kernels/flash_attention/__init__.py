@@ -1,0 +1,1 @@
+"""TODO(flash_attention): __init__."""

@@ -1,0 +1,1 @@
+"""TODO(paged_attention): __init__."""

@@ -1,0 +1,1 @@
+"""TODO(ragged_dot): __init__."""

@@ -1,0 +1,1 @@
+"""TODO(ragged_dot): reference."""

@@ -1,0 +1,62 @@
+"""Deviceless compile for real TPU generations (libtpu + jax.experimental.topologies, no TPU).
+
+libtpu==0.0.42.* lives in a separate folder (.libtpu, made by `make setup`; override with
+$LIBTPU_DIR) so it never enters the main venv. Compiling runs Mosaic for the chosen generation:
+VMEM overflow (`RESOURCE_EXHAUSTED ... vmem`) and layout errors surface here as exceptions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBTPU_DIR = Path(os.environ.get("LIBTPU_DIR", ROOT / ".libtpu"))
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+from tpu_generations import GENERATIONS, TESTED_GENERATIONS  # noqa: E402,F401
+
+
+def libtpu_available() -> bool:
+    return (LIBTPU_DIR / "libtpu").is_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_device(generation: str):
+    """Device 0 of a deviceless topology for `generation` ("v5e", "v6e", "tpu7x")."""
+    if not libtpu_available():
+        raise RuntimeError(f"libtpu not found in {LIBTPU_DIR}: run `make setup`")
+    if str(LIBTPU_DIR) not in sys.path:
+        sys.path.append(str(LIBTPU_DIR))
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(GENERATIONS[generation].topology, "tpu")
+    return topo.devices[0]
+
+
+def tpu_aval(shape, dtype, generation: str):
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=SingleDeviceSharding(tpu_device(generation)))
+
+
+def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
+    """Compile `fn(*args, **kwargs)` for `generation`; array arguments are (shape, dtype) pairs or
+    ShapeDtypeStructs and become avals on that generation's device. Returns the Compiled object."""
+    import jax
+
+    def to_aval(a):
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple):
+            return tpu_aval(a[0], a[1], generation)
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return tpu_aval(a.shape, a.dtype, generation)
+        return a
+
+    args = [to_aval(a) for a in args]
+    statics = {k: v for k, v in kwargs.items() if k in static_argnames}
+    arrays = {k: to_aval(v) for k, v in kwargs.items() if k not in static_argnames}
+    jitted = jax.jit(functools.partial(fn, **statics))
+    return jitted.trace(*args, **arrays).lower().compile()

@@ -1,0 +1,105 @@
+"""What each TPU generation offers a kernel: memory sizes, tiling units, peaks.
+
+Shared by every kernel's `tiling.py` (VMEM budget models) and by the benchmarks (modelled time).
+Per JAX device (one TensorCore; on TPU7x each core is its own device). Numbers from the Google
+Cloud TPU documentation and jax's tpu_info; see README "TPU generations".
+
+Vendored into every Hub package at build time: no imports from the collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    name: str  # "v5e", "v6e", "tpu7x", ...
+    topology: str  # a name `jax.experimental.topologies.get_topology_desc` accepts
+    device_kinds: tuple[str, ...]  # `jax.devices()[0].device_kind` values
+    vmem_bytes: int  # per core
+    smem_bytes: int
+    scoped_vmem_default_bytes: int  # what Mosaic grants a kernel unless vmem_limit_bytes is raised
+    mxu_size: int  # the MXU's square side: tiles along contracting/output dims should be multiples
+    bf16_sublanes: int  # rows of one bf16 (sublane x lane) tile; 8-bit types use 2x this
+    bf16_flops: float  # peak FLOP/s per device
+    int8_ops: float | None
+    fp8_flops: float | None
+    hbm_bytes_per_s: float
+    step_overhead_s: float = 0.35e-6  # fixed cost of one grid step
+    cores_per_device: int = 1  # >1: megacore, "parallel" grid dims are split across cores
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+    g.name: g
+    for g in (
+        TpuGeneration(
+            name="v5e", topology="v5e:2x2", device_kinds=("TPU v5 lite", "TPU v5e"),
+            vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
+            mxu_size=128, bf16_sublanes=16, bf16_flops=197e12, int8_ops=393e12, fp8_flops=None,
+            hbm_bytes_per_s=819e9,
+        ),
+        TpuGeneration(
+            name="v5p", topology="v5p:2x2x1", device_kinds=("TPU v5", "TPU v5p"),
+            vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
+            mxu_size=128, bf16_sublanes=16, bf16_flops=459e12, int8_ops=918e12, fp8_flops=459e12,
+            hbm_bytes_per_s=2765e9, cores_per_device=2,
+        ),
+        TpuGeneration(
+            name="v6e", topology="v6e:2x2", device_kinds=("TPU v6 lite", "TPU v6e"),
+            vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
+            mxu_size=256, bf16_sublanes=16, bf16_flops=918e12, int8_ops=1836e12, fp8_flops=918e12,
+            hbm_bytes_per_s=1638e9,
+        ),
+        TpuGeneration(
+            name="tpu7x", topology="tpu7x:2x2x1", device_kinds=("TPU7x", "TPU v7", "TPU v7x"),
+            vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
+            mxu_size=256, bf16_sublanes=16, bf16_flops=1153e12, int8_ops=None, fp8_flops=2307e12,
+            hbm_bytes_per_s=3.7e12,
+        ),
+    )
+}
+
+# The generations every kernel must compile for (CI's deviceless compile tests).
+TESTED_GENERATIONS = ("v5e", "v6e", "tpu7x")
+DEFAULT_GENERATION = "v6e"
+GENERATION_ENV = "PALLAS_TPU_GENERATION"
+
+
+def get_generation(name: str | None = None) -> TpuGeneration:
+    """`name`, else $PALLAS_TPU_GENERATION, else the attached TPU's, else the default (v6e)."""
+    name = name or os.environ.get(GENERATION_ENV) or detect_generation() or DEFAULT_GENERATION
+    try:
+        return GENERATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown TPU generation {name!r}; expected one of {sorted(GENERATIONS)}"
+        ) from None
+
+
+def generation_of_device_kind(kind: str) -> str | None:
+    for g in GENERATIONS.values():
+        if kind in g.device_kinds:
+            return g.name
+    return None
+
+
+def detect_generation() -> str | None:
+    """The generation of the first TPU device JAX sees, or None without one."""
+    try:
+        import jax
+
+        devices = jax.devices("tpu")
+    except Exception:  # no TPU backend on this host
+        return None
+    return generation_of_device_kind(devices[0].device_kind) if devices else None
+
+
+def vmem_limit_bytes(gen: TpuGeneration, needed_bytes: int) -> int:
+    """The `vmem_limit_bytes` to ask Mosaic for: the budget model's need plus headroom for
+    Mosaic's own scratch, never below the default scoped limit, never above 3/4 of physical VMEM."""
+    want = max(gen.scoped_vmem_default_bytes, int(needed_bytes * 1.25) + 2 * MiB)
+    return min(want, gen.vmem_bytes * 3 // 4)
