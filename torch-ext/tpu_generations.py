@@ -103,3 +103,27 @@ def vmem_limit_bytes(gen: TpuGeneration, needed_bytes: int) -> int:
     Mosaic's own scratch, never below the default scoped limit, never above 3/4 of physical VMEM."""
     want = max(gen.scoped_vmem_default_bytes, int(needed_bytes * 1.25) + 2 * MiB)
     return min(want, gen.vmem_bytes * 3 // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """What one kernel call makes the hardware do, from a kernel's closed-form cost model
+    (`tiling.estimate_cost`). The benchmarks check these numbers against TPU-interpret-mode counts."""
+
+    useful_flops: int  # the math the caller asked for
+    mxu_flops: int  # the math issued, tile padding included
+    hbm_bytes: int  # bytes moved between HBM and VMEM/SMEM (reads + writes)
+    min_hbm_bytes: int  # each input read once, each output written once
+    grid_steps: int
+    vmem_bytes: int = 0  # the budget model's VMEM need
+
+    def modelled_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
+        """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead."""
+        peak = peak_flops or gen.bf16_flops
+        return max(self.mxu_flops / peak, self.hbm_bytes / gen.hbm_bytes_per_s) + (
+            self.grid_steps * gen.step_overhead_s
+        )
+
+    def roofline_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
+        peak = peak_flops or gen.bf16_flops
+        return max(self.useful_flops / peak, self.min_hbm_bytes / gen.hbm_bytes_per_s)
