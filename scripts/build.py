@@ -6,6 +6,7 @@ For each kernel it writes `<out>/<hub-name>/`:
     README.md                 the kernel card (goes on the Hub's main branch)
     build.toml                the repo's own edition-5 build.toml
     flake.nix                 kernel-builder entry point
+    torch-ext/<package>/      the package sources, as kernel-builder expects them
     benchmarks/benchmark_<kernel>.py
     build/torch-tpu/          the package: kernel files + torch-ext/*.py + _ops.py + metadata.json
     build/torch-cpu/          the same package for hosts without a TPU (Pallas interpret mode)
@@ -236,6 +237,10 @@ def build_repo(coll: Collection, entry: KernelEntry, out: Path) -> Path:
     _write(repo / "flake.nix", repo_flake_nix(entry))
     if entry.benchmark is not None:
         _write(repo / "benchmarks" / entry.benchmark.name, entry.benchmark.read_bytes())
+    # The kernel-builder source tree (what flake.nix builds): the package sources without _ops.py,
+    # which kernel-builder generates itself.
+    for rel, data in package_sources(entry).items():
+        _write(repo / "torch-ext" / entry.python_name / rel, data)
     for backend in entry.backends:
         build_variant(coll, entry, backend, repo / "build" / VARIANTS[backend])
     return repo

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+for sub in ("tests", "scripts", "torch-ext"):
+    sys.path.insert(0, str(ROOT / sub))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -1,1 +1,806 @@
-"""TODO(flash_attention): kernel."""
+"""Pallas TPU flash attention: forward and backward over a static work list of non-empty blocks.
+
+Layout. Queries are grouped by KV head: q is [B, Hkv, G, Sq, D] (G = Hq // Hkv query heads share
+one KV head), k/v are [B, Hkv, Sk, D]. A q block holds the G heads' rows stacked, G*block_q rows,
+so one K/V tile feeds all the query heads of its KV head and K/V are never repeated in HBM.
+
+Mask. Every token carries a position inside its sequence; a query row t may see key u when both
+lie inside the same sequence (varlen), the same segment (segment ids) and
+`lo <= (u - t + offset) <= hi`, where `offset` aligns the ends of the query and key ranges
+(flash-attn's bottom-right causal alignment), `hi` is 0 for causal / the right window, `lo` is
+minus the left window. One rule serves causal, sliding windows, Sq != Sk, varlen and padding.
+
+Schedule. `build_work_list` enumerates the (q block, kv block, sequence) triples whose rectangle
+meets the allowed band, in q-major order for the forward and the dq pass and kv-major order for the
+dk/dv pass, with cheap array ops (numpy when everything is static, jnp with a static upper bound
+for cu_seqlens). The list is scalar-prefetched into SMEM and the grid is (B, Hkv, items): the
+BlockSpec index maps read the list, so an empty pair costs neither a grid step nor a DMA. Padding
+items at the end repeat the last item's block indices (no copy) and do nothing. An outer block that
+no pair touches gets one "dummy" item so its output is still written (zeros).
+
+Forward: per item, the kv tile (block_kv rows, one DMA) is processed in block_kv_compute slices;
+a slice the band leaves empty is skipped. Online softmax keeps f32 running max m and sum l per
+row in VMEM scratch (an attention sink starts them at m = sink, l = 1). At the last item of a q
+block the output and the log-sum-exp (lse, used by the backward) are written.
+
+Backward: dk/dv walk q blocks for each kv block (kv-major list) in transposed form (scores are
+[kv rows, q rows], so lse and di = rowsum(do * o) arrive as lane rows); dq walks kv blocks for each
+q block (q-major list) and accumulates in VMEM: no per-kv-block dq is ever written to HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import tiling as _tiling
+
+# A finite "minus infinity": max/exp arithmetic on fully masked rows stays NaN-free.
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)
+# lse of a row that sees nothing: exp(s - BIG_LSE) is 0 for any finite score.
+BIG_LSE = 0.7 * float(np.finfo(np.float32).max)
+_UNBOUNDED = 1 << 30
+NUM_LANES = 128
+NUM_SUBLANES = 8
+
+# Flag bits of a work item.
+VALID, FIRST, LAST = 1, 2, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """Allowed key/query distance d = (u - t + offset): lo <= d <= hi."""
+
+    lo: int
+    hi: int
+
+    @staticmethod
+    def make(causal: bool, window_left: int, window_right: int) -> "Band":
+        hi = _UNBOUNDED if window_right < 0 else window_right
+        if causal:
+            hi = min(hi, 0)
+        lo = -_UNBOUNDED if window_left < 0 else -window_left
+        return Band(lo, hi)
+
+    @property
+    def full(self) -> bool:
+        return self.lo <= -_UNBOUNDED and self.hi >= _UNBOUNDED
+
+
+# -------------------------------------------------------------------------------------------------
+# Work list
+# -------------------------------------------------------------------------------------------------
+
+
+def _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, off, band: Band):
+    """Whether rows [q_lo, q_hi) x keys [k_lo, k_hi) (half-open, already clipped to the sequence)
+    contain an allowed pair. d = u - t + off ranges over [k_lo - (q_hi-1) + off, (k_hi-1) - q_lo + off]
+    and takes every integer value in it, so the band test is an interval intersection."""
+    ok = (q_lo < q_hi) & (k_lo < k_hi)
+    if band.hi < _UNBOUNDED:
+        ok = ok & (k_lo - (q_hi - 1) + off <= band.hi)
+    if band.lo > -_UNBOUNDED:
+        ok = ok & ((k_hi - 1) - q_lo + off >= band.lo)
+    return ok
+
+
+def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major):
+    """Non-empty mask over candidates in list order: [outer, seq, inner]."""
+    q_lo_s, q_hi_s, k_lo_s, k_hi_s, off_s = (xp.asarray(a) for a in seqs)
+    qi = xp.arange(nq, dtype=np.int32)
+    ki = xp.arange(nk, dtype=np.int32)
+    if kv_major:
+        qi_b = qi[None, None, :]
+        ki_b = ki[:, None, None]
+    else:
+        qi_b = qi[:, None, None]
+        ki_b = ki[None, None, :]
+    s = lambda a: a[None, :, None]  # noqa: E731
+    q_lo = xp.maximum(qi_b * block_q, s(q_lo_s))
+    q_hi = xp.minimum((qi_b + 1) * block_q, s(q_hi_s))
+    k_lo = xp.maximum(ki_b * block_kv, s(k_lo_s))
+    k_hi = xp.minimum((ki_b + 1) * block_kv, s(k_hi_s))
+    ok = _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, s(off_s), band)
+    n_seq = q_lo_s.shape[0]
+    outer = nk if kv_major else nq
+    inner = nq if kv_major else nk
+    shape = (outer, n_seq, inner)
+    qi_f = xp.broadcast_to(qi_b, shape)
+    ki_f = xp.broadcast_to(ki_b, shape)
+    si_f = xp.broadcast_to(xp.arange(n_seq, dtype=np.int32)[None, :, None], shape)
+    return ok, qi_f, ki_f, si_f
+
+
+def build_work_list(seqs, nq, nk, block_q, block_kv, band: Band, *, kv_major: bool,
+                    max_items: Optional[int] = None):
+    """The items as an int32 array [4, L]: rows q block, kv block, sequence, flags.
+
+    `seqs` = (q_lo, q_hi, k_lo, k_hi, offset), int32 [n_seq] each. With numpy inputs (everything
+    static) L is the exact number of items; with jnp inputs L = `max_items` (a static bound) and the
+    tail repeats the last item with flags 0.
+    """
+    xp = np if all(isinstance(a, np.ndarray) for a in seqs) else jnp
+    ok, qi, ki, si = _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major)
+    outer_n = ok.shape[0]
+    # One dummy candidate per outer block, live only when the block has no pair: its output must
+    # still be written.
+    has_any = ok.reshape(outer_n, -1).any(axis=1)
+    dummy = ~has_any
+    outer_idx = xp.arange(outer_n, dtype=np.int32)
+    ok = xp.concatenate([ok.reshape(outer_n, -1), dummy[:, None]], axis=1).reshape(-1)
+    zeros = xp.zeros((outer_n, 1), np.int32)
+    if kv_major:
+        qcol, kcol = zeros, outer_idx[:, None]
+    else:
+        qcol, kcol = outer_idx[:, None], zeros
+    qi = xp.concatenate([qi.reshape(outer_n, -1), qcol], axis=1).reshape(-1)
+    ki = xp.concatenate([ki.reshape(outer_n, -1), kcol], axis=1).reshape(-1)
+    si = xp.concatenate([si.reshape(outer_n, -1), zeros], axis=1).reshape(-1)
+    n_cand = qi.shape[0] // outer_n - 1
+    real = xp.concatenate([xp.ones((outer_n, n_cand), bool), xp.zeros((outer_n, 1), bool)],
+                          axis=1).reshape(-1)
+    if xp is np:
+        sel = np.nonzero(ok)[0]
+        qi, ki, si, real = qi[sel], ki[sel], si[sel], real[sel]
+        count = len(sel)
+        length = count
+    else:
+        count = ok.sum().astype(jnp.int32)
+        length = int(max_items)
+        pos = jnp.where(ok, jnp.cumsum(ok) - 1, length)
+        scatter = lambda a: jnp.zeros((length,), a.dtype).at[pos].set(a, mode="drop")  # noqa: E731
+        qi, ki, si, real = scatter(qi), scatter(ki), scatter(si), scatter(real)
+    idx = xp.arange(length, dtype=np.int32)
+    live = idx < count
+    # Dummy items borrow the previous real item's inner block index, so they cost no extra DMA.
+    last_real = _cummax(xp, xp.where(real & live, idx, -1))
+    src = xp.maximum(last_real, 0)
+    if kv_major:
+        qi = xp.where(real, qi, qi[src])
+    else:
+        ki = xp.where(real, ki, ki[src])
+    outer = ki if kv_major else qi
+    # Padding items repeat the last live item: same block indices, no copy.
+    last = xp.maximum(count - 1, 0)
+    qi = xp.where(live, qi, qi[last])
+    ki = xp.where(live, ki, ki[last])
+    si = xp.where(live, si, si[last])
+    outer = ki if kv_major else qi
+    prev = xp.concatenate([xp.full((1,), -1, np.int32), outer[:-1]])
+    nxt = xp.concatenate([outer[1:], xp.full((1,), -1, np.int32)])
+    first = live & (prev != outer)
+    lastf = live & ((nxt != outer) | (idx == count - 1))
+    flags = (xp.where(live & real, VALID, 0) | xp.where(first, FIRST, 0)
+             | xp.where(lastf, LAST, 0)).astype(np.int32)
+    return xp.stack([qi.astype(np.int32), ki.astype(np.int32), si.astype(np.int32), flags])
+
+
+def _cummax(xp, a):
+    if xp is np:
+        return np.maximum.accumulate(a) if a.size else a
+    return jax.lax.cummax(a, axis=0)
+
+
+def max_work_items(n_seq: int, nq: int, nk: int) -> int:
+    """A static bound on the list length for `n_seq` packed sequences: each sequence's blocks form
+    a rectangle, and the rectangles' sides sum to at most nq + n_seq - 1 (nk + n_seq - 1), plus one
+    dummy per outer block."""
+    pairs = min(n_seq * nq * nk, (nq + n_seq - 1) * (nk + n_seq - 1))
+    return pairs + max(nq, nk)
+
+
+# -------------------------------------------------------------------------------------------------
+# Shared mask helpers (inside kernels)
+# -------------------------------------------------------------------------------------------------
+
+
+def _seq_scalars(seq_ref, s, n_seq):
+    return tuple(seq_ref[j * n_seq + s] for j in range(5))
+
+
+def _allowed(t, u, seq, band: Band):
+    """Elementwise mask for query tokens t and key tokens u (broadcastable int32 arrays)."""
+    q_lo, q_hi, k_lo, k_hi, off = seq
+    ok = (t >= q_lo) & (t < q_hi) & (u >= k_lo) & (u < k_hi)
+    d = u - t + off
+    if band.hi < _UNBOUNDED:
+        ok = ok & (d <= band.hi)
+    if band.lo > -_UNBOUNDED:
+        ok = ok & (d >= band.lo)
+    return ok
+
+
+def _scores(s, scale, softcap):
+    """Scaled (and soft-capped) f32 scores; returns (scores, tanh) for the softcap gradient."""
+    if softcap:
+        c = jnp.tanh(s * (scale / softcap))
+        return c * softcap, c
+    return s * scale, None
+
+
+# -------------------------------------------------------------------------------------------------
+# Forward
+# -------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv,
+                block_kv_compute, band, scale, softcap, has_sinks, has_segments):
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if has_sinks else None
+    q_ref, k_ref, v_ref = refs[:3]
+    refs = refs[3:]
+    if has_segments:
+        qseg_ref, kseg_ref = refs[:2]
+        refs = refs[2:]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    h = pl.program_id(1)
+    i = pl.program_id(2)
+    qi = items_ref[0 * n_items + i]
+    ki = items_ref[1 * n_items + i]
+    si = items_ref[2 * n_items + i]
+    flags = items_ref[3 * n_items + i]
+    rows = groups * block_q
+    seq = _seq_scalars(seq_ref, si, n_seq)
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+        if has_sinks:
+            # The sink joins the denominator: start the running max at it with sum exp(0) = 1.
+            for g in range(groups):
+                m_ref[g * block_q:(g + 1) * block_q, :] = jnp.full(
+                    (block_q, NUM_LANES), sinks_ref[h * groups + g], jnp.float32)
+            l_ref[...] = jnp.ones_like(l_ref)
+        else:
+            m_ref[...] = jnp.full_like(m_ref, NEG_INF)
+            l_ref[...] = jnp.zeros_like(l_ref)
+
+    q_lo_blk = qi * block_q
+    q_hi_blk = q_lo_blk + block_q
+    q_lo_c = jnp.maximum(q_lo_blk, seq[0])
+    q_hi_c = jnp.minimum(q_hi_blk, seq[1])
+
+    for c in range(block_kv // block_kv_compute):
+        u0 = ki * block_kv + c * block_kv_compute
+        k_lo_c = jnp.maximum(u0, seq[2])
+        k_hi_c = jnp.minimum(u0 + block_kv_compute, seq[3])
+        live = ((flags & VALID) != 0) & _rect_nonempty(jnp, q_lo_c, q_hi_c, k_lo_c, k_hi_c, seq[4], band)
+
+        @pl.when(live)
+        def _step(c=c, u0=u0):
+            q = q_ref[...].reshape(rows, q_ref.shape[-1])
+            k = k_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
+            v = v_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            s, _ = _scores(s, scale, softcap)
+            shape = (rows, block_kv_compute)
+            # Rows stack G heads of block_q tokens: the token is the row index mod block_q.
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + q_lo_blk
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + u0
+            mask = _allowed(t, u, seq, band)
+            if has_segments:
+                qs = qseg_ref[:, 0:1]
+                qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
+                ks = kseg_ref[0:1, pl.ds(c * block_kv_compute, block_kv_compute)]
+                mask = mask & (qs == ks)
+            m_prev = m_ref[:, 0:1]
+            l_prev = l_ref[:, 0:1]
+            m_cur = jnp.max(jnp.where(mask, s, NEG_INF), axis=1, keepdims=True)
+            m_new = jnp.maximum(m_prev, m_cur)
+            alpha = jnp.exp(m_prev - m_new)
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            acc_ref[...] = acc_ref[...] * alpha + pv
+            m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+            l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+    @pl.when((flags & LAST) != 0)
+    def _finish():
+        l = l_ref[:, 0:1]
+        m = m_ref[:, 0:1]
+        seen = l > 0.0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        o = acc_ref[...] * inv
+        o_ref[...] = o.reshape(o_ref.shape).astype(o_ref.dtype)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), BIG_LSE)
+        # Column -> row: lse is stored lane-major, [G, block_q] per q block.
+        lse_t = jnp.broadcast_to(lse, (rows, NUM_LANES)).T[0:1, :]
+        for g in range(groups):
+            lse_ref[g:g + 1, :] = lse_t[:, g * block_q:(g + 1) * block_q]
+
+
+def _pad_axis(x, axis, size, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """Static description shared by forward and backward of one call."""
+
+    batch: int
+    kv_heads: int
+    groups: int
+    sq: int  # padded lengths
+    sk: int
+    head_dim: int
+    band: Band
+    scale: float
+    softcap: float
+    n_seq: int
+    max_items: Optional[int]  # None: static list
+
+
+def _seq_table_dense(sq, sk):
+    # One sequence, ends aligned (bottom-right), tails past the real length masked.
+    return tuple(np.array([v], np.int32) for v in (0, sq, 0, sk, sq - sk))
+
+
+def _seq_table_varlen(cu_q, cu_k):
+    cu_q = cu_q.astype(jnp.int32)
+    cu_k = cu_k.astype(jnp.int32)
+    return (cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:], cu_q[1:] - cu_k[1:])
+
+
+def _items(seqs, prob, nq, nk, bq, bk, kv_major):
+    if prob.max_items is None:
+        return jnp.asarray(build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major))
+    bound = max_work_items(prob.n_seq, nq, nk)
+    return build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major, max_items=bound)
+
+
+def _seq_array(seqs):
+    return jnp.concatenate([jnp.asarray(a, jnp.int32) for a in seqs])
+
+
+def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpret):
+    """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles)."""
+    B, Hkv, G, Sq, D = q5.shape
+    Sk = k4.shape[2]
+    bq, bk, bkc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute
+    nq, nk = Sq // bq, Sk // bk
+    items = _items(seqs, prob, nq, nk, bq, bk, kv_major=False)
+    n_items = items.shape[1]
+    has_sinks = sinks is not None
+    has_segments = qseg is not None
+
+    def q_map(b, h, i, it, sq):
+        return (b, h, 0, it[i], 0)
+
+    def kv_map(b, h, i, it, sq):
+        return (b, h, it[n_items + i], 0)
+
+    in_specs, args = [], []
+    if has_sinks:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks.astype(jnp.float32))
+    in_specs += [
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+    ]
+    args += [q5, k4, v4]
+    if has_segments:
+        in_specs += [
+            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, it[i], 0)),
+            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, it[n_items + i])),
+        ]
+        args += [qseg, kseg]
+    out_specs = [
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, G, bq), lambda b, h, i, it, sq: (b, h, 0, it[i])),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        jax.ShapeDtypeStruct((B, Hkv, G, Sq), jnp.float32),
+    ]
+    kernel = functools.partial(
+        _fwd_kernel, n_items=n_items, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
+        block_kv_compute=bkc, band=prob.band, scale=prob.scale, softcap=prob.softcap,
+        has_sinks=has_sinks, has_segments=has_segments)
+    rows = G * bq
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(B, Hkv, n_items),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
+            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
+            pltpu.VMEM((rows, D), jnp.float32),
+        ],
+    )
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=tiles.vmem_limit_bytes,
+        ),
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(items.reshape(-1), _seq_array(seqs), *args)
+    return o, lse
+
+
+# -------------------------------------------------------------------------------------------------
+# Backward
+# -------------------------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv, band,
+                 scale, softcap, has_segments):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+    refs = refs[6:]
+    if has_segments:
+        qseg_ref, kseg_ref = refs[:2]
+        refs = refs[2:]
+    dk_ref, dv_ref, dk_acc, dv_acc = refs
+    i = pl.program_id(2)
+    qi = items_ref[0 * n_items + i]
+    ki = items_ref[1 * n_items + i]
+    si = items_ref[2 * n_items + i]
+    flags = items_ref[3 * n_items + i]
+    rows = groups * block_q
+    seq = _seq_scalars(seq_ref, si, n_seq)
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    @pl.when((flags & VALID) != 0)
+    def _step():
+        D = q_ref.shape[-1]
+        q = q_ref[...].reshape(rows, D)
+        do = do_ref[...].reshape(rows, D)
+        k = k_ref[...]
+        v = v_ref[...]
+        # Stats as lane rows [1, G*block_q]: the G heads' rows side by side.
+        lse = jnp.concatenate([lse_ref[g:g + 1, :] for g in range(groups)], axis=1)
+        di = jnp.concatenate([di_ref[g:g + 1, :] for g in range(groups)], axis=1)
+        st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        st, c = _scores(st, scale, softcap)
+        shape = (block_kv, rows)
+        u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + ki * block_kv
+        t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (block_q - 1)) + qi * block_q
+        mask = _allowed(t, u, seq, band)
+        if has_segments:
+            qs = jnp.concatenate([qseg_ref[0:1, :]] * groups, axis=1) if groups > 1 else qseg_ref[0:1, :]
+            mask = mask & (kseg_ref[:, 0:1] == qs)
+        pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
+        dv_acc[...] += jax.lax.dot_general(pt.astype(do.dtype), do, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+        dpt = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dst = pt * (dpt - di)
+        if softcap:
+            dst = dst * (1.0 - c * c)
+        dst = dst * scale
+        dk_acc[...] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+
+    @pl.when((flags & LAST) != 0)
+    def _finish():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv, band,
+               scale, softcap, has_segments):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+    refs = refs[6:]
+    if has_segments:
+        qseg_ref, kseg_ref = refs[:2]
+        refs = refs[2:]
+    dq_ref, dq_acc, lse_col, di_col = refs
+    i = pl.program_id(2)
+    qi = items_ref[0 * n_items + i]
+    ki = items_ref[1 * n_items + i]
+    si = items_ref[2 * n_items + i]
+    flags = items_ref[3 * n_items + i]
+    rows = groups * block_q
+    seq = _seq_scalars(seq_ref, si, n_seq)
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+        # Row -> column once per q block, so every item broadcasts stats along lanes.
+        for g in range(groups):
+            sl = slice(g * block_q, (g + 1) * block_q)
+            lse_col[sl, :] = jnp.broadcast_to(lse_ref[g:g + 1, :], (NUM_LANES, block_q)).T
+            di_col[sl, :] = jnp.broadcast_to(di_ref[g:g + 1, :], (NUM_LANES, block_q)).T
+
+    @pl.when((flags & VALID) != 0)
+    def _step():
+        D = q_ref.shape[-1]
+        q = q_ref[...].reshape(rows, D)
+        do = do_ref[...].reshape(rows, D)
+        k = k_ref[...]
+        v = v_ref[...]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s, c = _scores(s, scale, softcap)
+        shape = (rows, block_kv)
+        t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + qi * block_q
+        u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + ki * block_kv
+        mask = _allowed(t, u, seq, band)
+        if has_segments:
+            qs = qseg_ref[:, 0:1]
+            qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
+            mask = mask & (qs == kseg_ref[0:1, :])
+        p = jnp.where(mask, jnp.exp(s - lse_col[:, 0:1]), 0.0)
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - di_col[:, 0:1])
+        if softcap:
+            ds = ds * (1.0 - c * c)
+        ds = ds * scale
+        dq_acc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+
+    @pl.when((flags & LAST) != 0)
+    def _finish():
+        dq_ref[...] = dq_acc[...].reshape(dq_ref.shape).astype(dq_ref.dtype)
+
+
+def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles, interpret):
+    B, Hkv, G, Sq, D = q5.shape
+    Sk = k4.shape[2]
+    bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
+    nq, nk = Sq // bq, Sk // bk
+    di = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)  # [B, Hkv, G, Sq]
+    has_segments = qseg is not None
+    seq_arr = _seq_array(seqs)
+    cp = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                              vmem_limit_bytes=tiles.vmem_limit_bytes_bwd)
+    common = dict(n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk, band=prob.band,
+                  scale=prob.scale, softcap=prob.softcap, has_segments=has_segments)
+    rows = G * bq
+
+    def specs(n_items, qpos, kpos):
+        q_map = lambda b, h, i, it, sq: (b, h, 0, it[qpos * n_items + i], 0)  # noqa: E731
+        kv_map = lambda b, h, i, it, sq: (b, h, it[kpos * n_items + i], 0)  # noqa: E731
+        st_map = lambda b, h, i, it, sq: (b, h, 0, it[qpos * n_items + i])  # noqa: E731
+        in_specs = [
+            pl.BlockSpec((None, None, G, bq, D), q_map),
+            pl.BlockSpec((None, None, bk, D), kv_map),
+            pl.BlockSpec((None, None, bk, D), kv_map),
+            pl.BlockSpec((None, None, G, bq, D), q_map),
+            pl.BlockSpec((None, None, G, bq), st_map),
+            pl.BlockSpec((None, None, G, bq), st_map),
+        ]
+        return in_specs, q_map, kv_map
+
+    args = [q5, k4, v4, do5, lse, di]
+
+    # dk, dv: kv-major list. Segment ids arrive transposed: q ids as a lane row, kv ids as a column.
+    items_kv = _items(seqs, prob, nq, nk, bq, bk, kv_major=True)
+    n_kv = items_kv.shape[1]
+    in_specs, q_map, kv_map = specs(n_kv, 0, 1)
+    seg_args = []
+    if has_segments:
+        qseg_row = jnp.broadcast_to(qseg[:, :, 0][:, None, :], (B, NUM_SUBLANES, Sq))
+        kseg_col = jnp.broadcast_to(kseg[:, 0, :][:, :, None], (B, Sk, NUM_LANES))
+        in_specs += [
+            pl.BlockSpec((None, NUM_SUBLANES, bq), lambda b, h, i, it, sq: (b, 0, it[i])),
+            pl.BlockSpec((None, bk, NUM_LANES), lambda b, h, i, it, sq: (b, it[n_kv + i], 0)),
+        ]
+        seg_args = [qseg_row, kseg_col]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, n_items=n_kv, **common),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hkv, n_kv), in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, None, bk, D), kv_map)] * 2,
+            scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32)] * 2),
+        out_shape=[jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)],
+        compiler_params=cp, interpret=interpret, name="flash_attention_dkdv",
+    )(items_kv.reshape(-1), seq_arr, *args, *seg_args)
+
+    # dq: q-major list, accumulated in VMEM across the q block's kv blocks.
+    items_q = _items(seqs, prob, nq, nk, bq, bk, kv_major=False)
+    n_q = items_q.shape[1]
+    in_specs, q_map, kv_map = specs(n_q, 0, 1)
+    seg_args = []
+    if has_segments:
+        in_specs += [
+            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, it[i], 0)),
+            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, it[n_q + i])),
+        ]
+        seg_args = [qseg, kseg]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, n_items=n_q, **common),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hkv, n_q), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, G, bq, D), q_map),
+            scratch_shapes=[pltpu.VMEM((G, bq, D), jnp.float32),
+                            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
+                            pltpu.VMEM((rows, NUM_LANES), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        compiler_params=cp, interpret=interpret, name="flash_attention_dq",
+    )(items_q.reshape(-1), seq_arr, *args, *seg_args)
+    return dq, dk, dv, di
+
+
+# -------------------------------------------------------------------------------------------------
+# Public JAX entry points
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_common(q, k, v, window_size, softcap):
+    if q.ndim != k.ndim or k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
+
+
+def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_segment_ids,
+             causal, window_size, softcap, softmax_scale, tiles, generation, max_seqlen_q=None,
+             max_seqlen_k=None):
+    """Common layout work: returns (q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes)."""
+    if varlen:
+        # q [Tq, Hq, D] -> [1, Hkv, G, Tq, D]
+        Tq, Hq, D = q.shape
+        Tk, Hkv, _ = k.shape
+        B = 1
+        q4 = jnp.swapaxes(q, 0, 1)[None]
+        k4 = jnp.swapaxes(k, 0, 1)[None]
+        v4 = jnp.swapaxes(v, 0, 1)[None]
+        Sq, Sk = Tq, Tk
+    else:
+        B, Hq, Sq, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        q4, k4, v4 = q, k, v
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    G = Hq // Hkv
+    if tiles is None:
+        tiles = _tiling.choose_tiles(
+            q_len=Sq if not varlen else (max_seqlen_q or Sq), kv_len=Sk if not varlen else (max_seqlen_k or Sk),
+            num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=q.dtype, causal=causal,
+            window_size=tuple(window_size), generation=generation, total_q=Sq, total_kv=Sk)
+    bq = max(tiles.block_q, tiles.block_q_bwd)
+    bk = max(tiles.block_kv, tiles.block_kv_bwd)
+    Sq_p, Sk_p = _round_up(Sq, bq), _round_up(Sk, bk)
+    q5 = _pad_axis(q4, 2, Sq_p).reshape(B, Hkv, G, Sq_p, D)
+    k4 = _pad_axis(k4, 2, Sk_p)
+    v4 = _pad_axis(v4, 2, Sk_p)
+    if varlen:
+        seqs = _seq_table_varlen(cu_seqlens_q, cu_seqlens_k)
+        n_seq = cu_seqlens_q.shape[0] - 1
+        max_items = 1
+    else:
+        seqs = _seq_table_dense(Sq, Sk)
+        n_seq, max_items = 1, None
+    qseg = kseg = None
+    if q_segment_ids is not None:
+        qs = _pad_axis(q_segment_ids.astype(jnp.int32), 1, Sq_p, -1)
+        ks = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sk_p, -2)
+        qseg = jnp.broadcast_to(qs[:, :, None], (B, Sq_p, NUM_LANES))
+        kseg = jnp.broadcast_to(ks[:, None, :], (B, NUM_SUBLANES, Sk_p))
+    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    band = Band.make(causal, *window_size)
+    prob = _Problem(B, Hkv, G, Sq_p, Sk_p, D, band, scale, float(softcap), n_seq, max_items)
+    return q5, k4, v4, seqs, qseg, kseg, prob, tiles, (B, Hq, Sq, Sk, D)
+
+
+def _unpack_out(x5, varlen, sizes):
+    B, Hq, Sq, Sk, D = sizes
+    x = x5.reshape(B, Hq, x5.shape[3], *x5.shape[4:])[:, :, :Sq]
+    return jnp.swapaxes(x[0], 0, 1) if varlen else x
+
+
+def _unpack_kv(x4, varlen, sizes):
+    Sk = sizes[3]
+    x = x4[:, :, :Sk]
+    return jnp.swapaxes(x[0], 0, 1) if varlen else x
+
+
+def _lse_out(lse, sizes):
+    B, Hq, Sq = sizes[:3]
+    return lse.reshape(B, Hq, -1)[:, :, :Sq]
+
+
+def _lse_in(lse, prob: _Problem):
+    # [B, Hq, Sq] -> [B, Hkv, G, Sq_p]; padded rows see nothing.
+    lse = _pad_axis(lse.astype(jnp.float32), 2, prob.sq, BIG_LSE)
+    return lse.reshape(prob.batch, prob.kv_heads, prob.groups, prob.sq)
+
+
+def flash_attention_fwd(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                        softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, tiles=None, generation=None, interpret=False):
+    """Forward. Dense: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> (o like q, lse [B, Hq, Sq] f32).
+    Varlen (cu_seqlens given): q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (o like q, lse [1, Hq, Tq])."""
+    varlen = cu_seqlens_q is not None
+    _check_common(q, k, v, window_size, softcap)
+    q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
+        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
+        window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, tiles=tiles,
+        generation=generation, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    o5, lse = _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret)
+    return _unpack_out(o5, varlen, sizes), _lse_out(lse, sizes)
+
+
+def flash_attention_bwd(q, k, v, o, lse, do, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                        softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, tiles=None, generation=None, interpret=False):
+    """Backward: (dq, dk, dv, dsinks or None), same layouts as `flash_attention_fwd`."""
+    varlen = cu_seqlens_q is not None
+    _check_common(q, k, v, window_size, softcap)
+    q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
+        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
+        window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, tiles=tiles,
+        generation=generation, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    B, Hq, Sq, Sk, D = sizes
+
+    def to5(x):
+        x4 = jnp.swapaxes(x, 0, 1)[None] if varlen else x
+        return _pad_axis(x4, 2, prob.sq).reshape(q5.shape)
+
+    o5, do5 = to5(o), to5(do)
+    lse5 = _lse_in(lse, prob)
+    dq5, dk4, dv4, di = _backward(q5, k4, v4, o5, lse5, do5, seqs, qseg, kseg, prob, tiles,
+                                  interpret)
+    dsinks = None
+    if sinks is not None:
+        # d sink_h = -sum_rows P(sink) * di, with P(sink) = exp(sink - lse).
+        sk = sinks.astype(jnp.float32).reshape(1, prob.kv_heads, prob.groups, 1)
+        dsinks = -jnp.sum(jnp.exp(sk - lse5) * di, axis=(0, 3)).reshape(Hq)
+    return (_unpack_out(dq5, varlen, sizes), _unpack_kv(dk4, varlen, sizes),
+            _unpack_kv(dv4, varlen, sizes), dsinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fa_vjp(q, k, v, sinks, cfg):
+    o, _ = flash_attention_fwd(q, k, v, sinks=sinks, **dict(cfg))
+    return o
+
+
+def _fa_vjp_fwd(q, k, v, sinks, cfg):
+    o, lse = flash_attention_fwd(q, k, v, sinks=sinks, **dict(cfg))
+    return o, (q, k, v, sinks, o, lse)
+
+
+def _fa_vjp_bwd(cfg, res, do):
+    q, k, v, sinks, o, lse = res
+    dq, dk, dv, dsinks = flash_attention_bwd(q, k, v, o, lse, do, sinks=sinks, **dict(cfg))
+    return dq, dk, dv, dsinks
+
+
+_fa_vjp.defvjp(_fa_vjp_fwd, _fa_vjp_bwd)
+
+
+def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                    softmax_scale=None, sinks=None, tiles=None, generation=None, interpret=False):
+    """Differentiable dense flash attention, q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D]."""
+    cfg = (("causal", causal), ("window_size", tuple(window_size)), ("softcap", softcap),
+           ("softmax_scale", softmax_scale), ("tiles", tiles), ("generation", generation),
+           ("interpret", interpret))
+    return _fa_vjp(q, k, v, sinks, cfg)

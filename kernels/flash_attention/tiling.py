@@ -1,1 +1,290 @@
-"""TODO(flash_attention): tiling."""
+"""Tile sizes for flash attention per TPU generation, from a VMEM budget model, and the kernel's
+closed-form cost (`estimate_cost`).
+
+Tiles: block_q query tokens per q block (the G query heads of a KV head are stacked, so a q block
+has G*block_q rows), block_kv key tokens per K/V DMA, block_kv_compute keys per score tile inside
+the forward, and block_q_bwd / block_kv_bwd for the two backward passes. `choose_tiles` tries the
+candidates whose every VMEM buffer fits the generation's budget and keeps the one with the lowest
+modelled time (KernelCost.modelled_seconds) on the caller's shape; `Tiles(...)` overrides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation, vmem_limit_bytes
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+_UNBOUNDED = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_q: int = 256
+    block_kv: int = 512
+    block_kv_compute: int = 256
+    block_q_bwd: int = 256
+    block_kv_bwd: int = 256
+    vmem_limit_bytes: Optional[int] = None
+    vmem_limit_bytes_bwd: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd"):
+            v = getattr(self, name)
+            if v < 8 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 8, got {v}")
+        if self.block_kv % self.block_kv_compute:
+            raise ValueError("Tiles.block_kv must be a multiple of block_kv_compute")
+        # Lengths are padded to the larger of the forward and backward tiles: both must divide it.
+
+
+def _itemsize(dtype) -> int:
+    return int(np.dtype(dtype).itemsize)
+
+
+def _r(x, m):
+    return -(-x // m) * m
+
+
+def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_compute,
+                  segments=False) -> int:
+    dp = _r(head_dim, NUM_LANES)
+    rows = groups * block_q
+    need = 2 * rows * dp * itemsize  # q, double-buffered
+    need += 2 * 2 * block_kv * dp * itemsize  # k, v
+    need += 2 * rows * dp * itemsize  # o
+    need += 2 * _r(groups, NUM_SUBLANES) * _r(block_q, NUM_LANES) * 4  # lse
+    need += 2 * rows * NUM_LANES * 4 + rows * dp * 4  # m, l, acc scratch
+    need += rows * block_kv_compute * (3 * 4 + itemsize)  # s, exp, mask temporaries, p cast
+    if segments:
+        need += 2 * block_q * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_kv * 4
+    return need
+
+
+def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False) -> int:
+    dp = _r(head_dim, NUM_LANES)
+    rows = groups * block_q
+    ins = 2 * 2 * rows * dp * itemsize + 2 * 2 * block_kv * dp * itemsize  # q, do, k, v
+    ins += 2 * 2 * _r(groups, NUM_SUBLANES) * _r(block_q, NUM_LANES) * 4  # lse, di
+    if segments:
+        ins += 2 * block_q * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_kv * 4
+    temps = rows * block_kv * (5 * 4 + itemsize)  # s/p, dp, ds, mask, tanh, cast
+    dkdv = ins + 2 * 2 * block_kv * dp * itemsize + 2 * block_kv * dp * 4 + temps
+    dq = ins + 2 * rows * dp * itemsize + rows * dp * 4 + 2 * rows * NUM_LANES * 4 + temps
+    return max(dkdv, dq)
+
+
+def _budget(gen: TpuGeneration) -> int:
+    # What vmem_limit_bytes may grant, less the 1.25x + 2 MiB headroom it adds for Mosaic.
+    return int((gen.vmem_bytes * 3 // 4 - 2 * (1 << 20)) / 1.25)
+
+
+def _candidates(q_len, kv_len, gen):
+    cap_q = max(128, _r(q_len, 128))
+    cap_k = max(128, _r(kv_len, 128))
+    compute = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
+    for bq in (1024, 512, 256, 128):
+        if bq > cap_q and bq > 128:
+            continue
+        for bk in (2048, 1024, 512, 256, 128):
+            if bk > cap_k and bk > 128:
+                continue
+            yield bq, bk, min(bk, compute)
+
+
+def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, causal=False,
+                 window_size=(-1, -1), generation=None, total_q=None, total_kv=None,
+                 segments=False, override: Optional[Tiles] = None) -> Tiles:
+    """The tiles for one sequence of `q_len` x `kv_len` (the longest one for varlen)."""
+    if override is not None:
+        return override
+    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    groups = num_q_heads // num_kv_heads
+    isz = _itemsize(dtype)
+    budget = _budget(gen)
+    best_f, best_b = None, None
+    for bq, bk, bkc in _candidates(q_len, kv_len, gen):
+        t = Tiles(bq, bk, bkc, bq, bk)
+        nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments)
+        if nf <= budget:
+            c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
+                              causal=causal, window_size=window_size, tiles=t, pass_="fwd")
+            key = (c.modelled_seconds(gen), -bq * bk)
+            if best_f is None or key < best_f[0]:
+                best_f = (key, bq, bk, bkc, nf)
+        if bk <= 512 and bq <= 512:
+            nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments)
+            if nb <= budget:
+                c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                  q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
+                                  causal=causal, window_size=window_size, tiles=t, pass_="bwd")
+                key = (c.modelled_seconds(gen), -bq * bk)
+                if best_b is None or key < best_b[0]:
+                    best_b = (key, bq, bk, nb)
+    if best_f is None or best_b is None:
+        raise ValueError(
+            f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
+            f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly")
+    _, bq, bk, bkc, nf = best_f
+    _, bqb, bkb, nb = best_b
+    return Tiles(bq, bk, bkc, bqb, bkb, vmem_limit_bytes=vmem_limit_bytes(gen, nf),
+                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb))
+
+
+# -------------------------------------------------------------------------------------------------
+# Cost model: the same work list the kernel walks, counted.
+# -------------------------------------------------------------------------------------------------
+
+
+def _band(causal, window_size):
+    left, right = window_size
+    hi = _UNBOUNDED if right < 0 else right
+    if causal:
+        hi = min(hi, 0)
+    lo = -_UNBOUNDED if left < 0 else -left
+    return lo, hi
+
+
+def _allowed_pairs(seqs, lo, hi) -> int:
+    """Number of (query, key) pairs the mask allows, summed over sequences."""
+    total = 0
+    for q_lo, q_hi, k_lo, k_hi, off in zip(*seqs):
+        t = np.arange(q_lo, q_hi, dtype=np.int64)
+        # allowed u: k_lo <= u < k_hi and lo <= u - t + off <= hi
+        u_min = np.maximum(k_lo, t - off + max(lo, -_UNBOUNDED))
+        u_max = np.minimum(k_hi - 1, t - off + min(hi, _UNBOUNDED))
+        total += int(np.maximum(u_max - u_min + 1, 0).sum())
+    return total
+
+
+def _fetches(idx: np.ndarray, n_outer: int, per_head: bool, heads: int, batch: int) -> int:
+    """Copies a BlockSpec makes for a block-index sequence `idx` ([L, ...] per (b, h)) repeated
+    over the (b, h) grid: one at the start and one at every change of the block index."""
+    if idx.ndim == 1:
+        idx = idx[:, None]
+    within = int(np.any(idx[1:] != idx[:-1], axis=1).sum())
+    if per_head:
+        return batch * heads * (1 + within)
+    wrap = int(np.any(idx[0] != idx[-1]))
+    return 1 + batch * heads * within + (batch - 1) + batch * (heads - 1) * wrap
+
+
+def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, dtype,
+                  causal=False, window_size=(-1, -1), has_sinks=False, segments=False,
+                  cu_seqlens_q: Optional[Sequence[int]] = None,
+                  cu_seqlens_k: Optional[Sequence[int]] = None,
+                  tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd") -> KernelCost:
+    """What the Pallas calls of one forward (`pass_="fwd"`) or backward (`"bwd"`: dk/dv and dq
+    kernels) move and compute. Counts the kernels only: the layout transposes/pads around them and
+    the backward's di = rowsum(do * o) prologue are XLA ops outside. For varlen give cu_seqlens
+    (q_len/kv_len are then the packed totals, batch 1); the list is then sized by its static bound
+    and padding items (no compute, no copy) are counted as grid steps."""
+    from .kernel import Band, build_work_list, max_work_items  # lazy: kernel imports tiling
+
+    if tiles is None:
+        tiles = choose_tiles(q_len=q_len, kv_len=kv_len, num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                             causal=causal, window_size=window_size, generation=generation,
+                             segments=segments)
+    isz = _itemsize(dtype)
+    G = num_q_heads // num_kv_heads
+    B, Hkv, D = batch, num_kv_heads, head_dim
+    dp = _r(D, NUM_LANES)
+    bq_pad = max(tiles.block_q, tiles.block_q_bwd)
+    bk_pad = max(tiles.block_kv, tiles.block_kv_bwd)
+    Sq, Sk = _r(q_len, bq_pad), _r(kv_len, bk_pad)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        cq = np.asarray(cu_seqlens_q, np.int64)
+        ck = np.asarray(cu_seqlens_k, np.int64)
+        seqs = (cq[:-1], cq[1:], ck[:-1], ck[1:], cq[1:] - ck[1:])
+    else:
+        seqs = tuple(np.array([v], np.int64) for v in (0, q_len, 0, kv_len, q_len - kv_len))
+    n_seq = len(seqs[0])
+    band = Band.make(causal, *window_size)
+    lo, hi = _band(causal, window_size)
+    pairs = _allowed_pairs(seqs, lo, hi)
+    useful_fwd = 4 * B * num_q_heads * D * pairs
+
+    def items(bq, bk, kv_major):
+        nq, nk = Sq // bq, Sk // bk
+        s32 = tuple(np.asarray(a, np.int32) for a in seqs)
+        it = build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major)
+        if varlen:  # the kernel runs the static bound; the tail repeats the last item, flags 0
+            bound = max_work_items(n_seq, nq, nk)
+            pad = bound - it.shape[1]
+            it = np.concatenate([it, np.repeat(it[:, -1:], pad, axis=1) * np.array([[1], [1], [1], [0]])], axis=1)
+        return it
+
+    smem = lambda it: it.size * 4 + 5 * n_seq * 4  # noqa: E731  (scalar-prefetched list + table)
+    stat = _r(G, 1) * 4  # one f32 per row per head, lane-major [G, block]
+
+    if pass_ == "fwd":
+        bq, bk, bkc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute
+        it = items(bq, bk, False)
+        qi, ki, si, fl = it
+        L = it.shape[1]
+        n_q = _fetches(qi, 0, True, Hkv, B)
+        n_k = _fetches(ki, 0, True, Hkv, B)
+        hbm = n_q * G * bq * D * isz  # q blocks
+        hbm += 2 * n_k * bk * D * isz  # k, v
+        hbm += n_q * G * bq * D * isz + n_q * stat * bq  # o, lse written once per q run
+        if segments:
+            hbm += _fetches(qi, 0, False, Hkv, B) * bq * NUM_LANES * 4
+            hbm += _fetches(ki, 0, False, Hkv, B) * NUM_SUBLANES * bk * 4
+        hbm += smem(it) + (num_q_heads * 4 if has_sinks else 0)
+        # Issued MXU work: per valid item, the compute slices the band leaves non-empty.
+        valid = (fl & 1) != 0
+        ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
+        q_lo = np.maximum(qi * bq, ql)
+        q_hi = np.minimum(qi * bq + bq, qh)
+        live_slices = 0
+        for c in range(bk // bkc):
+            u0 = ki * bk + c * bkc
+            k_lo = np.maximum(u0, kl)
+            k_hi = np.minimum(u0 + bkc, kh)
+            ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
+            if band.hi < _UNBOUNDED:
+                ok &= k_lo - (q_hi - 1) + off <= band.hi
+            if band.lo > -_UNBOUNDED:
+                ok &= (k_hi - 1) - q_lo + off >= band.lo
+            live_slices += int(ok.sum())
+        mxu = B * Hkv * live_slices * 2 * (2 * G * bq * bkc * dp)
+        steps = B * Hkv * L
+        min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz
+                     + B * num_q_heads * q_len * 4)
+        need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments)
+        return KernelCost(useful_fwd, mxu, hbm, min_bytes, steps, need)
+
+    if pass_ != "bwd":
+        raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
+    bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
+    hbm = mxu = steps = 0
+    for kv_major, outs in ((True, "kv"), (False, "q")):
+        it = items(bq, bk, kv_major)
+        qi, ki, si, fl = it
+        n_q = _fetches(qi, 0, True, Hkv, B)
+        n_k = _fetches(ki, 0, True, Hkv, B)
+        hbm += 2 * n_q * G * bq * D * isz + 2 * n_q * stat * bq  # q, do, lse, di
+        hbm += 2 * n_k * bk * D * isz  # k, v
+        if outs == "kv":
+            hbm += 2 * n_k * bk * D * isz  # dk, dv
+        else:
+            hbm += n_q * G * bq * D * isz  # dq
+        if segments:
+            hbm += _fetches(qi, 0, False, Hkv, B) * bq * NUM_LANES * 4
+            hbm += _fetches(ki, 0, False, Hkv, B) * NUM_SUBLANES * bk * 4
+        hbm += smem(it)
+        n_valid = int(((fl & 1) != 0).sum())
+        mxu += B * Hkv * n_valid * (4 if kv_major else 3) * (2 * G * bq * bk * dp)
+        steps += B * Hkv * it.shape[1]
+    min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
+                 + 2 * B * num_q_heads * q_len * 4  # lse, di
+                 + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
+    need = vmem_need_bwd(G, D, isz, bq, bk, segments)
+    return KernelCost(2 * useful_fwd, mxu, hbm, min_bytes, steps, need)

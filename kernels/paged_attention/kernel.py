@@ -1,1 +1,381 @@
-"""TODO(paged_attention): kernel."""
+"""Ragged paged attention: one Pallas TPU kernel for decode, chunked prefill and mixed batches.
+
+Data. Queries of all sequences are packed along tokens, q [T, Hq, D], sequence s owning tokens
+[cu_q_lens[s], cu_q_lens[s+1]). Its keys live in a paged cache: KV cache [num_pages, page_size,
+2 * Hkv, D] with K and V interleaved per KV head (index 2h is K of head h, 2h+1 its V), or two
+caches k/v [num_pages, page_size, Hkv, D] (flash-attn's layout). page_table [S, pages_per_seq]
+maps a sequence's page i to a cache page; kv_lens[s] keys are valid, the queries being the last
+q_len positions among them (causal masking is aligned to the end of the sequence).
+
+Schedule. The packed tokens are cut into q blocks of `block_q` tokens (a block may hold several
+sequences: in decode, one block holds up to `block_q` sequences). A static work list, built by jnp
+ops before the kernel and scalar-prefetched into SMEM, holds one item per (q block, sequence,
+KV block) where a KV block is up to `pages_per_block` consecutive pages of that sequence that the
+block's queries can see: pages past the last query position (causal) or entirely before the
+sliding window are never listed, so they cost neither a DMA nor a step. The 1-D grid walks the
+work list; items of one q block are consecutive, so the q block and its output block (BlockSpecs
+indexed by the item's q block) are fetched and written once, and f32 softmax statistics and the
+accumulator stay in VMEM scratch across the block's items. The grid is a static upper bound on the
+list length; steps past the real list do nothing.
+
+KV traffic. Each item's pages are copied by manual DMAs straight from the cache in HBM (one DMA
+per page per cache array, covering every KV head), double-buffered: while item i is computed, the
+pages of item i+1 are in flight into the other slot. A page is fetched once per q block that needs
+it. GQA: per KV head, the q block's rows for that head's G query heads (laid out as
+[Hkv, T * G, D], token-major) are multiplied against the head's K and V in one pass.
+
+Decode. An item whose sequence occupies only a 16-row aligned slice of the q block (one decode
+token of G <= 16 heads) takes a narrow path that computes only those rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import tiling
+from .tiling import PagedAttentionConfig
+from .tpu_generations import get_generation, vmem_limit_bytes
+
+# A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without inf - inf NaNs.
+NEG = -1e30
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def build_work_list(kv_lens, cu_q_lens, num_seqs, *, block_q: int, num_q_blocks: int,
+                    page_size: int, pages_per_block: int, sliding_window: int | None,
+                    causal: bool, max_items: int):
+    """The kernel's work list as int32 arrays of length `max_items` (see the module docstring):
+    (q_block, seq, first_page, num_pages); seq == -1 and num_pages == 0 mark empty items. Also the
+    number of real items. Mirrors tiling.work_list_numpy item for item."""
+    num_slots = kv_lens.shape[0]
+    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
+    q_len = q_end - q_start
+    live = jnp.arange(num_slots) < num_seqs[0]
+    b = jnp.arange(num_q_blocks, dtype=jnp.int32)[:, None]
+    t0 = jnp.maximum(q_start[None, :], b * block_q)
+    t1 = jnp.minimum(q_end[None, :], (b + 1) * block_q)
+    overlap = (t0 < t1) & live[None, :]
+    base = (kv_lens - q_len - q_start)[None, :]  # position of token t is base + t
+    first_pos, last_pos = base + t0, base + t1 - 1
+    if causal:
+        k_lo = (jnp.zeros_like(first_pos) if sliding_window is None
+                else jnp.maximum(first_pos - sliding_window + 1, 0))
+        k_hi = last_pos
+    else:
+        k_lo = jnp.zeros_like(first_pos)
+        k_hi = jnp.broadcast_to(kv_lens[None, :] - 1, first_pos.shape)
+    p_lo = k_lo // page_size
+    p_hi = k_hi // page_size
+    nkb = jnp.where(overlap, _cdiv(p_hi - p_lo + 1, pages_per_block), 0)
+    empty_block = (nkb.sum(axis=1) == 0).astype(jnp.int32)
+    counts = jnp.concatenate([nkb, empty_block[:, None]], axis=1).reshape(-1)
+    ends = jnp.cumsum(counts)
+    starts = ends - counts
+    total = ends[-1]
+    i = jnp.arange(max_items, dtype=jnp.int32)
+    pair = jnp.minimum(jnp.searchsorted(ends, i, side="right"), counts.shape[0] - 1)
+    k = i - starts[pair]
+    qb, col = pair // (num_slots + 1), pair % (num_slots + 1)
+    is_seq = col < num_slots
+    s = jnp.minimum(col, num_slots - 1)
+    first = p_lo[qb, s] + k * pages_per_block
+    npages = jnp.minimum(pages_per_block, p_hi[qb, s] + 1 - first)
+    real = i < total
+    last_qb = qb[jnp.maximum(total - 1, 0)]
+    q_block = jnp.where(real, qb, last_qb)
+    seq = jnp.where(real & is_seq, s, -1)
+    first = jnp.where(real & is_seq, first, 0)
+    npages = jnp.where(real & is_seq, npages, 0)
+    work = jnp.stack([q_block, seq, first, npages]).astype(jnp.int32)
+    return work, total.astype(jnp.int32)
+
+
+def _paged_kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref,
+    # inputs / outputs / scratch
+    *refs,
+    n_arr: int, num_kv_heads: int, head_dim: int, group: int, block_q: int, page_size: int,
+    pages_per_block: int, pages_per_seq: int, max_items: int, narrow: int, sm_scale: float,
+    soft_cap: float | None, sliding_window: int | None, causal: bool,
+):
+    q_ref = refs[0]
+    caches = refs[1:1 + n_arr]
+    o_ref = refs[1 + n_arr]
+    bufs = refs[2 + n_arr:2 + 2 * n_arr]
+    sem, m_ref, l_ref, acc_ref = refs[2 + 2 * n_arr:]
+    rows = block_q * group
+    kv_tok = pages_per_block * page_size
+
+    i = pl.program_id(0)
+    nitems = nitems_ref[0]
+
+    def field(f, j):
+        return work_ref[f * max_items + j]
+
+    def page_copies(j, slot, p):
+        seq = jnp.maximum(field(1, j), 0)
+        page = pt_ref[seq * pages_per_seq + field(2, j) + p]
+        return [pltpu.make_async_copy(caches[a].at[page], bufs[a].at[slot, p], sem.at[slot, a])
+                for a in range(n_arr)]
+
+    def fetch(j, slot, start: bool):
+        npages = field(3, j)
+        for p in range(pages_per_block):
+            @pl.when(p < npages)
+            def _():
+                for c in page_copies(j, slot, p):
+                    c.start() if start else c.wait()
+
+    @pl.when((i == 0) & (nitems > 0))
+    def _():
+        fetch(0, 0, start=True)
+
+    # Prefetch the next item's pages into the other slot while this one is computed.
+    @pl.when(i + 1 < nitems)
+    def _():
+        fetch(i + 1, (i + 1) % 2, start=True)
+
+    qb = field(0, i)
+    prev_qb = field(0, jnp.maximum(i - 1, 0))
+    next_qb = field(0, jnp.minimum(i + 1, max_items - 1))
+    first_of_block = (i == 0) | (qb != prev_qb)
+    last_of_block = (i == max_items - 1) | (qb != next_qb)
+
+    @pl.when(first_of_block)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    seq = jnp.maximum(field(1, i), 0)
+    first_page = field(2, i)
+    npages = field(3, i)
+    q_start = cu_ref[seq]
+    q_end = cu_ref[seq + 1]
+    kv_len = kv_lens_ref[seq]
+    slot = i % 2
+    blk_tok0 = qb * block_q
+    r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
+    r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
+
+    def compute(r0, nr: int):
+        row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
+        tok = blk_tok0 + (row // group if group & (group - 1) else row >> (group.bit_length() - 1))
+        qpos = kv_len - (q_end - q_start) + (tok - q_start)
+        kpos = first_page * page_size + col
+        col_ok = (col < npages * page_size) & (kpos < kv_len)
+        mask = col_ok & (tok >= q_start) & (tok < q_end)
+        if causal:
+            mask &= kpos <= qpos
+            if sliding_window is not None:
+                mask &= qpos - kpos < sliding_window
+        v_ok = (jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < npages * page_size) & (
+            first_page * page_size
+            + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < kv_len)
+        for h in range(num_kv_heads):
+            if n_arr == 1:
+                k_arr, k_off, v_arr, v_off = 0, 2 * h * head_dim, 0, (2 * h + 1) * head_dim
+            else:
+                k_arr, k_off, v_arr, v_off = 0, h * head_dim, 1, h * head_dim
+            k = bufs[k_arr][slot, :, :, pl.ds(k_off, head_dim)].reshape(kv_tok, head_dim)
+            v = bufs[v_arr][slot, :, :, pl.ds(v_off, head_dim)].reshape(kv_tok, head_dim)
+            q = q_ref[h, pl.ds(r0, nr), :]
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, NEG)
+            m_prev = m_ref[h, pl.ds(r0, nr), :]
+            l_prev = l_ref[h, pl.ds(r0, nr), :]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            # Pages past kv_len, and page slots this item did not fill, may hold anything (NaN in
+            # TPU interpret mode): zero them so that 0 * garbage cannot reach the accumulator.
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            m_ref[h, pl.ds(r0, nr), :] = m_new
+            l_ref[h, pl.ds(r0, nr), :] = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            acc_ref[h, pl.ds(r0, nr), :] = alpha * acc_ref[h, pl.ds(r0, nr), :] + pv
+
+    active = (i < nitems) & (npages > 0)
+
+    @pl.when(active)
+    def _():
+        fetch(i, slot, start=False)
+
+    if narrow < rows:
+        fits = (r_lo // narrow) == ((r_hi - 1) // narrow)
+
+        @pl.when(active & fits)
+        def _():
+            compute(pl.multiple_of((r_lo // narrow) * narrow, narrow), narrow)
+
+        @pl.when(active & jnp.logical_not(fits))
+        def _():
+            compute(0, rows)
+    else:
+        @pl.when(active)
+        def _():
+            compute(0, rows)
+
+    @pl.when(last_of_block)
+    def _():
+        l = l_ref[...]
+        o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    v_pages: jax.Array | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    causal: bool = True,
+    config: PagedAttentionConfig | None = None,
+    generation: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Attention of packed queries over a paged KV cache (module docstring for the layout).
+
+    q [T, Hq, D]; kv_pages [num_pages, page_size, 2*Hkv, D] (K/V interleaved per head) or, with
+    `v_pages`, k pages [num_pages, page_size, Hkv, D] and v_pages of the same shape; kv_lens [S]
+    int32; page_table [S, pages_per_seq] int32; cu_q_lens [S+1] int32; num_seqs [1] int32 (only
+    the first num_seqs slots are live). Returns o [T, Hq, D] in q's dtype; rows of tokens that
+    belong to no live sequence are zero. `sliding_window` w: a query at position p sees keys
+    p-w+1..p. `soft_cap` c: scores become c * tanh(s / c). Inputs are not validated here (the
+    torch ops do it); out-of-range page table entries would be read out of bounds.
+    """
+    T, hq, d = q.shape
+    n_arr = 1 if v_pages is None else 2
+    num_pages, page_size = kv_pages.shape[:2]
+    hkv = kv_pages.shape[2] // 2 if n_arr == 1 else kv_pages.shape[2]
+    group = hq // hkv
+    S, pages_per_seq = page_table.shape
+    sm_scale = float(d ** -0.5 if sm_scale is None else sm_scale)
+    cfg = tiling.choose_config(num_tokens=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               page_size=page_size, pages_per_seq=pages_per_seq,
+                               q_dtype=q.dtype, kv_dtype=kv_pages.dtype, generation=generation,
+                               config=config)
+    bq, ppb = cfg.block_q, cfg.pages_per_block
+    t_pad = _cdiv(max(T, 1), bq) * bq
+    nqb = t_pad // bq
+    rows = bq * group
+    max_items = cfg.max_items or tiling.max_items_bound(
+        num_q_blocks=nqb, max_num_seqs=S, pages_per_seq=pages_per_seq, pages_per_block=ppb)
+    smem = 4 * (S + S + 1 + S * pages_per_seq + 4 * max_items + 1)
+    if smem > tiling.SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"page table ({S} x {pages_per_seq}) and work list ({max_items} items) need {smem} bytes "
+            f"of SMEM, over the {tiling.SMEM_BUDGET_BYTES}-byte budget: split the batch, use larger "
+            "pages, or pass config=PagedAttentionConfig(pages_per_block=...) with more pages")
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    num_seqs = num_seqs.astype(jnp.int32).reshape(1)
+    work, total = build_work_list(kv_lens, cu_q_lens, num_seqs, block_q=bq, num_q_blocks=nqb,
+                                  page_size=page_size, pages_per_block=ppb,
+                                  sliding_window=sliding_window, causal=causal,
+                                  max_items=max_items)
+
+    # [T, Hq, D] -> [Hkv, T_pad * G, D]: the G query heads of a KV head become token-major rows.
+    qh = q.reshape(T, hkv, group, d).transpose(1, 0, 2, 3)
+    qh = jnp.pad(qh, ((0, 0), (0, t_pad - T), (0, 0), (0, 0))).reshape(hkv, t_pad * group, d)
+    lanes = kv_pages.shape[2] * d
+    # A page is a [page_size, heads * D] tile (a free reshape): one DMA moves every head, and the
+    # kernel reads head h as a D-lane slice.
+    caches = [kv_pages.reshape(num_pages, page_size, lanes)]
+    if n_arr == 2:
+        caches.append(v_pages.reshape(num_pages, page_size, lanes))
+
+    kernel = functools.partial(
+        _paged_kernel, n_arr=n_arr, num_kv_heads=hkv, head_dim=d, group=group, block_q=bq,
+        page_size=page_size, pages_per_block=ppb, pages_per_seq=pages_per_seq,
+        max_items=max_items, narrow=tiling.narrow_rows(group, rows), sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal)
+
+    def qo_map(i, kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref):
+        return (0, work_ref[i], 0)
+
+    gen = get_generation(generation)
+    need = tiling.vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
+                                  num_kv_heads=hkv, group=group, head_dim=d, q_dtype=q.dtype,
+                                  kv_dtype=kv_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(max_items,),
+        in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)] + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr,
+        out_specs=pl.BlockSpec((hkv, rows, d), qo_map),
+        scratch_shapes=[pltpu.VMEM((2, ppb, page_size, lanes), kv_pages.dtype) for _ in range(n_arr)]
+        + [
+            pltpu.SemaphoreType.DMA((2, n_arr)),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, d), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, d), q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=cfg.vmem_limit_bytes or vmem_limit_bytes(gen, need)),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(kv_lens, cu_q_lens, page_table.astype(jnp.int32).reshape(-1), work.reshape(-1),
+      total.reshape(1), qh, *caches)
+    out = out.reshape(hkv, t_pad, group, d)[:, :T].transpose(1, 0, 2, 3).reshape(T, hq, d)
+    return out
+
+
+def write_kv(kv_pages: jax.Array, new_kv: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
+             cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """The cache with the new tokens' K/V written at their slots, everything else unchanged.
+
+    new_kv [T, C, D] (C = the cache's third dim): token t of sequence s goes to position
+    kv_lens[s] - q_len[s] + (t - cu_q_lens[s]) of s, i.e. page page_table[s, pos // page_size],
+    row pos % page_size. Tokens of dead slots (s >= num_seqs) and padding tokens are dropped. A
+    scatter: under jit with the cache donated XLA updates it in place.
+    """
+    slots = write_slots(kv_lens, page_table, cu_q_lens, num_seqs, kv_pages.shape[1],
+                        new_kv.shape[0], num_pages=kv_pages.shape[0])
+    flat = kv_pages.reshape(-1, *kv_pages.shape[2:])
+    flat = flat.at[slots].set(new_kv.astype(kv_pages.dtype), mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+def write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_tokens: int,
+                num_pages: int):
+    """Flat cache slot (page * page_size + row) of each packed new token; out of range
+    (num_pages * page_size) for tokens of no live sequence."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    S = kv_lens.shape[0]
+    live_end = cu_q_lens[jnp.minimum(num_seqs.reshape(-1)[0], S)]
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, S - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    page = page_table[seq, jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)]
+    slot = page * page_size + pos % page_size
+    return jnp.where(t < live_end, slot, num_pages * page_size)
+
+
+__all__ = ["ragged_paged_attention", "build_work_list", "write_kv", "write_slots",
+           "PagedAttentionConfig"]

@@ -1,1 +1,245 @@
-"""TODO(paged_attention): tiling."""
+"""Tile choice and closed-form cost of the ragged paged attention kernel.
+
+Two tile sizes drive the kernel (see kernel.py for the schedule):
+
+- `block_q`: query tokens per q block. One q block holds `block_q * G` rows per KV head (G query
+  heads per KV head), so the MXU sees `block_q * G` rows in prefill. Decode items use a narrow path
+  of `narrow_rows` rows instead (one token of G heads fits in it), so `block_q` does not inflate
+  decode compute.
+- `pages_per_block`: KV pages fetched per work item (one DMA per page per cache array, all KV heads
+  of the page at once).
+
+The budget model counts every VMEM buffer: the two KV slots (double buffering), the q and output
+blocks (double-buffered by the Pallas pipeline), the f32 accumulator and the softmax statistics,
+and the f32 score/probability temporaries of one head. The SMEM model counts the scalar-prefetched
+page table, sequence metadata and work list; a batch whose tables exceed the SMEM budget is
+rejected with a ValueError (the work list holds only what is needed, but the page table is kept
+whole: see README of the kernel).
+
+`work_list_numpy` is the host-side twin of `kernel.build_work_list` (same items, same order), used
+by `estimate_cost` to give the exact bytes the kernel's DMAs and BlockSpec copies move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
+
+MiB = 1 << 20
+# Scalar-prefetched tables may use this much of the 1 MiB SMEM; the rest is left to Mosaic.
+SMEM_BUDGET_BYTES = 768 * 1024
+# Rows of the MXU left-hand side in the narrow (decode) path.
+NARROW_ROWS = 16
+_NEG_LANES = 128  # a (rows, 1) f32 scratch is padded to 128 lanes in VMEM
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tiling of one kernel call. `None` fields are chosen by `choose_config`."""
+
+    block_q: int | None = None  # query tokens per q block
+    pages_per_block: int | None = None  # KV pages per work item
+    max_items: int | None = None  # static work-list length; default: a proven upper bound
+    vmem_limit_bytes: int | None = None
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def row_align(group: int, sublanes: int = 16) -> int:
+    """Smallest token count t with t * group a multiple of `sublanes` (block rows must tile)."""
+    return sublanes // math.gcd(sublanes, group)
+
+
+def narrow_rows(group: int, rows: int) -> int:
+    """Rows of the narrow (decode) compute path; == rows means no narrow path."""
+    return min(rows, _round_up(max(group, NARROW_ROWS), NARROW_ROWS))
+
+
+def vmem_need_bytes(*, block_q: int, pages_per_block: int, page_size: int, num_kv_heads: int,
+                    group: int, head_dim: int, q_dtype, kv_dtype) -> int:
+    rows = block_q * group
+    kv_tokens = pages_per_block * page_size
+    kv_slots = 2 * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
+    q_out = 2 * 2 * num_kv_heads * rows * head_dim * _itemsize(q_dtype)
+    acc = num_kv_heads * rows * head_dim * 4
+    stats = 2 * num_kv_heads * rows * _NEG_LANES * 4
+    temps = 3 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
+    return kv_slots + q_out + acc + stats + temps
+
+
+def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, pages_per_seq: int, q_dtype, kv_dtype,
+                  generation: str | TpuGeneration | None = None,
+                  config: PagedAttentionConfig | None = None) -> PagedAttentionConfig:
+    """Fill the `None` fields of `config` for this generation from the VMEM budget model."""
+    gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
+    config = config or PagedAttentionConfig()
+    group = num_q_heads // num_kv_heads
+    align = row_align(group)
+    if config.block_q is not None:
+        block_q = config.block_q
+        if (block_q * group) % 8:
+            raise ValueError(f"config.block_q={block_q}: block_q * (q heads per KV head = {group}) "
+                             "must be a multiple of 8")
+    else:
+        # ~256 MXU rows per KV head in prefill (a full MXU pass on v6e/TPU7x, two on v5e), never more
+        # than the batch needs.
+        block_q = max(align, _round_up(max(1, 256 // group), align))
+        block_q = min(block_q, _round_up(max(num_tokens, 1), align))
+    budget = gen.scoped_vmem_default_bytes * 3 // 4
+    kw = dict(block_q=block_q, page_size=page_size, num_kv_heads=num_kv_heads, group=group,
+              head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    if config.pages_per_block is not None:
+        ppb = config.pages_per_block
+    else:
+        # ~512 KV tokens per item: DMAs of a few MiB amortise the ~0.35 us step cost; halve until the
+        # budget holds.
+        ppb = max(1, 512 // page_size)
+        while ppb > 1 and vmem_need_bytes(pages_per_block=ppb, **kw) > budget:
+            ppb //= 2
+    ppb = max(1, min(ppb, pages_per_seq))
+    return PagedAttentionConfig(block_q=block_q, pages_per_block=ppb, max_items=config.max_items,
+                                vmem_limit_bytes=config.vmem_limit_bytes)
+
+
+def max_items_bound(*, num_q_blocks: int, max_num_seqs: int, pages_per_seq: int,
+                    pages_per_block: int) -> int:
+    """A static bound on the work list: at most num_q_blocks + max_num_seqs - 1 (q block, sequence)
+    pairs (consecutive sequences share at most one block), each needing at most
+    ceil(pages_per_seq / pages_per_block) KV blocks (an empty q block gets one empty item)."""
+    return (num_q_blocks + max(max_num_seqs, 1) - 1) * max(1, -(-pages_per_seq // pages_per_block))
+
+
+def work_list_numpy(q_lens, kv_lens, *, block_q: int, num_q_blocks: int, page_size: int,
+                    pages_per_block: int, sliding_window: int | None, causal: bool):
+    """Host twin of kernel.build_work_list: list of (q_block, seq, first_page, num_pages), with
+    seq == -1 / num_pages == 0 for a q block that holds no sequence's token."""
+    q_lens = np.asarray(q_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    items = []
+    for b in range(num_q_blocks):
+        lo_tok, hi_tok = b * block_q, (b + 1) * block_q
+        row = []
+        for s in range(len(q_lens)):
+            t0, t1 = max(cu[s], lo_tok), min(cu[s + 1], hi_tok)
+            if t0 >= t1:
+                continue
+            first_pos = kv_lens[s] - q_lens[s] + (t0 - cu[s])
+            last_pos = kv_lens[s] - q_lens[s] + (t1 - 1 - cu[s])
+            if causal:
+                k_lo = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+                k_hi = last_pos
+            else:
+                k_lo, k_hi = 0, kv_lens[s] - 1
+            p_lo, p_hi = k_lo // page_size, k_hi // page_size
+            npages = p_hi - p_lo + 1
+            for k in range(-(-npages // pages_per_block)):
+                start = p_lo + k * pages_per_block
+                row.append((b, s, int(start), int(min(pages_per_block, p_hi + 1 - start))))
+        items.extend(row or [(b, -1, 0, 0)])
+    return items
+
+
+def estimate_cost(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, pages_per_seq: int, max_num_seqs: int | None = None,
+                  num_tokens: int | None = None, q_dtype="bfloat16", kv_dtype="bfloat16",
+                  sliding_window: int | None = None, causal: bool = True,
+                  separate_kv: bool = False, generation: str | None = None,
+                  config: PagedAttentionConfig | None = None) -> KernelCost:
+    """What one call of `kernel.ragged_paged_attention` moves and computes for this batch.
+
+    hbm_bytes = KV page DMAs (whole pages, each valid page of a work item once, all KV heads) +
+    q block and output block copies (each q block read once and written once: its items are
+    consecutive) + the scalar-prefetched tables (kv_lens, cu_q_lens, page table, work list,
+    num_items) copied to SMEM once. min_hbm_bytes = every KV token each query needs read once
+    (the union over the batch of the valid keys) + q read once + o written once + page table rows
+    used. Grid steps = the static work-list length (padding steps do no work but still cost a
+    step). MXU FLOPs count the rows and columns actually issued (narrow path or full q block x
+    every page slot of the KV buffer).
+    """
+    gen = get_generation(generation)
+    q_lens = [int(x) for x in q_lens]
+    kv_lens = [int(x) for x in kv_lens]
+    num_seqs = len(q_lens)
+    max_num_seqs = max_num_seqs or num_seqs
+    num_tokens = num_tokens or sum(q_lens)
+    group = num_q_heads // num_kv_heads
+    cfg = choose_config(num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq,
+                        q_dtype=q_dtype, kv_dtype=kv_dtype, generation=gen, config=config)
+    bq, ppb = cfg.block_q, cfg.pages_per_block
+    t_pad = _round_up(max(num_tokens, 1), bq)
+    nqb = t_pad // bq
+    rows = bq * group
+    nr = narrow_rows(group, rows)
+    items = work_list_numpy(q_lens, kv_lens, block_q=bq, num_q_blocks=nqb, page_size=page_size,
+                            pages_per_block=ppb, sliding_window=sliding_window, causal=causal)
+    max_items = cfg.max_items or max_items_bound(num_q_blocks=nqb, max_num_seqs=max_num_seqs,
+                                                 pages_per_seq=pages_per_seq, pages_per_block=ppb)
+    kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
+    page_bytes = page_size * 2 * num_kv_heads * head_dim * kv_size  # K and V, all heads
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    kv_bytes = 0
+    mxu = 0
+    for (b, s, start, npages) in items:
+        if npages == 0:
+            continue
+        kv_bytes += npages * page_bytes
+        r_lo = (max(cu[s], b * bq) - b * bq) * group
+        r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
+        issued_rows = nr if (nr < rows and r_lo // nr == (r_hi - 1) // nr) else rows
+        mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
+    qo_block = num_kv_heads * rows * head_dim * q_size
+    smem_bytes = 4 * (num_seqs + (num_seqs + 1) + num_seqs * pages_per_seq + 4 * max_items + 1)
+    # Tables are padded to max_num_seqs by the caller in the same way as the kernel sees them.
+    smem_bytes = 4 * (max_num_seqs + (max_num_seqs + 1) + max_num_seqs * pages_per_seq
+                      + 4 * max_items + 1)
+    hbm = kv_bytes + 2 * nqb * qo_block + smem_bytes
+
+    # Minimum: each needed KV token once, q and o once, the used page table entries once.
+    useful = 0
+    min_kv_tokens = 0
+    for s in range(num_seqs):
+        ql, kl = q_lens[s], kv_lens[s]
+        if ql == 0:
+            continue
+        first = kl - ql
+        if causal:
+            lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+            min_kv_tokens += kl - lo
+            for j in range(ql):
+                pos = first + j
+                vis = pos + 1 if sliding_window is None else min(pos + 1, sliding_window)
+                useful += 4 * num_q_heads * head_dim * vis
+        else:
+            min_kv_tokens += kl
+            useful += 4 * num_q_heads * head_dim * kl * ql
+    min_bytes = (min_kv_tokens * 2 * num_kv_heads * head_dim * kv_size
+                 + 2 * num_tokens * num_q_heads * head_dim * q_size
+                 + 4 * sum(-(-k // page_size) for k in kv_lens))
+    vmem = vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
+                           num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                           q_dtype=q_dtype, kv_dtype=kv_dtype)
+    return KernelCost(useful_flops=int(useful), mxu_flops=int(mxu), hbm_bytes=int(hbm),
+                      min_hbm_bytes=int(min_bytes), grid_steps=int(max_items), vmem_bytes=int(vmem))
+
+
+def num_kv_dmas(items, separate_kv: bool = False) -> int:
+    """Page DMAs the kernel issues for a work list (one per page, two with separate K/V caches)."""
+    return sum(n for (_, _, _, n) in items) * (2 if separate_kv else 1)
+
+
+__all__ = ["PagedAttentionConfig", "choose_config", "estimate_cost", "max_items_bound",
+           "work_list_numpy", "vmem_need_bytes", "narrow_rows", "row_align", "num_kv_dmas",
+           "GENERATIONS", "SMEM_BUDGET_BYTES"]

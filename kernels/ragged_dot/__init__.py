@@ -1,1 +1,2 @@
-"""TODO(ragged_dot): __init__."""
+"""ragged-dot-tpu: grouped matmul Pallas kernels for Mixture-of-Experts layers."""
+from . import kernel, reference, tiling

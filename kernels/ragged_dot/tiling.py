@@ -1,1 +1,459 @@
-"""TODO(ragged_dot): tiling."""
+"""Tile sizes, the static work list and the closed-form cost of the ragged-dot kernels.
+
+Everything here is plain Python / numpy (the work-list builder also runs on `jax.numpy` arrays
+inside the jitted wrapper, through the `xp` argument), so `estimate_cost` can replay exactly the
+schedule the kernel runs.
+
+Tile choice: the row tile `tm` follows the MXU width of the generation (128 on v5e, 256 on v6e and
+TPU7x), the contraction tile `tk` and output tile `tn` start as large as possible (whole K / N when
+they are moderate) and shrink until the VMEM budget model below fits in half of the core's VMEM.
+The budget model counts every buffer the kernel holds: double-buffered input and output blocks, the
+f32 accumulator, the quantisation scales, the dequantised weight copy, the masked K-tail copies and
+the f32 matmul result before it is merged into the accumulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
+
+__all__ = [
+    "GmmTiling",
+    "TgmmTiling",
+    "gmm_tiling",
+    "tgmm_tiling",
+    "gmm_vmem_bytes",
+    "tgmm_vmem_bytes",
+    "bucket_sizes",
+    "row_unit",
+    "work_list",
+    "work_list_length",
+    "estimate_cost",
+    "GMM_FIELDS",
+    "TGMM_FIELDS",
+]
+
+# Work-list fields, stored field-major in one int32 array of length len(FIELDS) * L in SMEM.
+#   OUT: block index of the output (row tile for gmm, group for tgmm); padding repeats the last.
+#   TILE: row tile whose lhs (and dout) block is resident; carried from the last computing item so
+#         that items without MXU work never start a new DMA.
+#   GROUP: the weight group whose rhs block is resident (gmm); carried like TILE.
+#   KFIX: 1 for items without MXU work (gmm): their lhs/rhs block index freezes at the last K
+#         block, which is the index the previous step left resident.
+#   LO, HI: the item's rows inside the row tile, [LO, HI).
+#   START, BUCKET: the row window [START, START + buckets[BUCKET]) the item's matmul runs on.
+#   FLAGS: COMPUTE | FIRST (first item of its output block) | LAST | VALID (not padding).
+GMM_FIELDS = ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "BUCKET", "FLAGS")
+TGMM_FIELDS = GMM_FIELDS
+F_COMPUTE, F_FIRST, F_LAST, F_VALID = 1, 2, 4, 8
+
+_MiB = 1 << 20
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def row_unit(*dtypes) -> int:
+    """Rows of one (sublane x lane) VMEM tile for the narrowest dtype: dynamic row offsets into a
+    block must be multiples of it (f32: 8, bf16: 16, 8-bit: 32)."""
+    return max(8 * 4 // _itemsize(d) for d in dtypes)
+
+
+def bucket_sizes(tm: int, unit: int) -> tuple[int, ...]:
+    """Row counts a work item's matmul may run on: powers of two from `unit`, plus every multiple of
+    tm/8, up to tm. A 20-row group tail runs a 32-row matmul, not a `tm`-row one; the finer steps at
+    large sizes keep the padding of long partial pieces under ~1/8."""
+    sizes = set()
+    b = unit
+    while b < tm:
+        sizes.add(b)
+        b *= 2
+    step = max(unit, (tm // 8) // unit * unit)
+    sizes.update(range(step, tm + 1, step))
+    sizes.add(tm)
+    return tuple(sorted(s for s in sizes if s <= tm and s % unit == 0))
+
+
+# -------------------------------------------------------------------------------------------------
+# Tiling configs and the VMEM budget model
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiling:
+    """Tiles of gmm: lhs blocks (tm, tk), rhs blocks (tk, tn) [(tn, tk) transposed], out (tm, tn)."""
+
+    tm: int
+    tk: int
+    tn: int
+    vmem_limit_bytes: Optional[int] = None  # None: from the budget model
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmTiling:
+    """Tiles of tgmm: lhs blocks (tm, tk), dout blocks (tm, tn), out blocks (tk, tn) per group."""
+
+    tm: int
+    tk: int
+    tn: int
+    vmem_limit_bytes: Optional[int] = None
+
+
+def gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False) -> int:
+    """VMEM the gmm kernel holds for these tiles (see the module docstring)."""
+    lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+    need = 2 * tm * tk * lb + 2 * tk * tn * wb + 2 * tm * tn * ob  # double-buffered blocks
+    need += tm * tn * 4  # f32 accumulator
+    need += 2 * tm * tn * 4  # f32 matmul result and the merged value before the select
+    if quantised:
+        need += 2 * 8 * tn * 4  # scale blocks (1, tn) f32, padded to 8 sublanes, double-buffered
+        need += tk * tn * lb  # weights dequantised to the lhs dtype
+    if k is not None and k % tk:
+        need += tm * tk * lb + tk * tn * max(wb, lb)  # masked copies of the last K block
+    return need
+
+
+def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
+    lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
+    need = 2 * tm * tk * lb + 2 * tm * tn * db + 2 * tk * tn * ob
+    need += tk * tn * 4  # accumulator
+    need += 2 * tk * tn * 4  # matmul result and merged value
+    need += tm * tk * lb + tm * tn * db  # row-masked operand copies
+    return need
+
+
+def _budget(gen: TpuGeneration) -> int:
+    return gen.vmem_bytes // 2
+
+
+def _pick_dim(size: int, cap: int, candidates=(2048, 1024, 512, 256, 128)) -> int:
+    """The whole dimension if it is at most `cap`, else the largest candidate tile <= cap dividing
+    it (no tail), else the largest candidate <= cap (the kernel masks the tail)."""
+    if size <= cap:
+        return size
+    fitting = [c for c in candidates if c <= cap]
+    for c in fitting:
+        if size % c == 0:
+            return c
+    return fitting[0]
+
+
+def _shrink(dim_tile: int, full: int) -> int:
+    """Next smaller legal tile (a multiple of 128) below `dim_tile`, or dim_tile if none."""
+    nxt = (dim_tile // 2) // 128 * 128
+    if nxt < 128:
+        return dim_tile
+    return nxt
+
+
+def _row_tile(gen: TpuGeneration, m: int, unit: int, tm: Optional[int]) -> int:
+    tm = tm or gen.mxu_size
+    return max(unit, min(tm, -(-max(m, 1) // unit) * unit))
+
+
+def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
+               generation: Optional[str] = None, override: Optional[GmmTiling | dict] = None,
+               quantised: Optional[bool] = None) -> GmmTiling:
+    """Tiles for gmm on `generation` (default: the attached or $PALLAS_TPU_GENERATION or v6e).
+    `override` (a GmmTiling or a dict with any of tm/tk/tn/vmem_limit_bytes) wins field by field."""
+    gen = get_generation(generation)
+    out_dtype = out_dtype or lhs_dtype
+    if quantised is None:
+        quantised = np.dtype(rhs_dtype).itemsize == 1
+    ov = dataclasses.asdict(override) if isinstance(override, GmmTiling) else dict(override or {})
+    unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
+    if unknown:
+        raise ValueError(f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn")
+    unit = row_unit(lhs_dtype)
+    tm = _row_tile(gen, m, unit, ov.get("tm"))
+    tk = ov.get("tk") or _pick_dim(k, 4096)
+    tn = ov.get("tn") or _pick_dim(n, 2048)
+    budget = _budget(gen)
+    need = lambda: gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
+                                  quantised=quantised)
+    while need() > budget:
+        if "tn" not in ov and tn > 256 and _shrink(tn, n) != tn and tn >= tk // 2:
+            tn = _shrink(tn, n)
+        elif "tk" not in ov and tk > 256 and _shrink(tk, k) != tk:
+            tk = _shrink(tk, k)
+        elif "tn" not in ov and tn > 128 and _shrink(tn, n) != tn:
+            tn = _shrink(tn, n)
+        elif "tm" not in ov and tm > unit:
+            tm = max(unit, tm // 2 // unit * unit)
+        else:
+            break  # the override asks for more than the budget: let the compiler decide
+    _check_tile("tm", tm, m, unit)
+    _check_tile("tk", tk, k, 128)
+    _check_tile("tn", tn, n, 128)
+    return GmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
+
+
+def tgmm_tiling(m: int, k: int, n: int, lhs_dtype, dout_dtype, out_dtype=None, *,
+                generation: Optional[str] = None,
+                override: Optional[TgmmTiling | dict] = None) -> TgmmTiling:
+    gen = get_generation(generation)
+    out_dtype = out_dtype or lhs_dtype
+    ov = dataclasses.asdict(override) if isinstance(override, TgmmTiling) else dict(override or {})
+    unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
+    if unknown:
+        raise ValueError(f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn")
+    unit = row_unit(lhs_dtype, dout_dtype)
+    tm = _row_tile(gen, m, unit, ov.get("tm"))
+    tk = ov.get("tk") or _pick_dim(k, 2048)
+    tn = ov.get("tn") or _pick_dim(n, 2048)
+    budget = _budget(gen)
+    need = lambda: tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype)
+    while need() > budget:
+        if "tn" not in ov and tn >= tk and _shrink(tn, n) != tn:
+            tn = _shrink(tn, n)
+        elif "tk" not in ov and _shrink(tk, k) != tk:
+            tk = _shrink(tk, k)
+        elif "tn" not in ov and _shrink(tn, n) != tn:
+            tn = _shrink(tn, n)
+        elif "tm" not in ov and tm > unit:
+            tm = max(unit, tm // 2 // unit * unit)
+        else:
+            break
+    _check_tile("tm", tm, m, unit)
+    _check_tile("tk", tk, k, 128)
+    _check_tile("tn", tn, n, 128)
+    return TgmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
+
+
+def _check_tile(name: str, tile: int, full: int, multiple: int) -> None:
+    if not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"tiling: {name} must be a positive int, got {tile!r}")
+    if tile != full and tile % multiple:
+        raise ValueError(
+            f"tiling: {name}={tile} must equal the dimension ({full}) or be a multiple of {multiple}"
+        )
+
+
+def vmem_limit(tiling, need: int, generation: Optional[str] = None) -> int:
+    from .tpu_generations import vmem_limit_bytes
+
+    if tiling.vmem_limit_bytes:
+        return tiling.vmem_limit_bytes
+    return vmem_limit_bytes(get_generation(generation), need)
+
+
+# -------------------------------------------------------------------------------------------------
+# The static work list
+# -------------------------------------------------------------------------------------------------
+
+
+def work_list_length(m: int, tm: int, num_groups: int) -> int:
+    """Static upper bound on the number of work items. gmm: the non-empty groups touch at most
+    (row tiles they cover) + (non-empty groups - 1) (tile, group) pairs, and the trailing rows past
+    sum(group_sizes) add at most one item per uncovered tile; tgmm: one item per (tile, group) pair
+    plus one per empty group. Both stay within row tiles + groups."""
+    return max(1, -(-m // tm) + num_groups)
+
+
+def work_list(group_sizes, *, m: int, tm: int, buckets: tuple[int, ...], unit: int, kind: str,
+              xp: Any = np):
+    """The schedule: an int32 array [len(FIELDS) * L], field-major (see GMM_FIELDS).
+
+    Items are (row tile, group) pairs in row order, so consecutive items of one row tile share the
+    resident output block (gmm) and consecutive items of one group share the resident weight block.
+    gmm adds a virtual group for the rows past sum(group_sizes): its items only write zeros.
+    tgmm gives every empty group one item without rows, so its weight gradient is written (zero).
+    Works on numpy (cost model) and jax.numpy (inside jit) arrays alike.
+    """
+    assert kind in ("gmm", "tgmm")
+    i32 = xp.int32
+    gs = xp.maximum(xp.asarray(group_sizes).astype(i32), 0)
+    num_groups = gs.shape[0]
+    L = work_list_length(m, tm, num_groups)
+    ends = xp.minimum(xp.cumsum(gs).astype(i32), m)
+    starts = xp.concatenate([xp.zeros((1,), i32), ends[:-1]]) if num_groups else ends
+    if kind == "gmm":
+        total = ends[-1:] if num_groups else xp.zeros((1,), i32)
+        starts = xp.concatenate([starts, total])
+        ends = xp.concatenate([ends, xp.full((1,), m, i32)])
+    sizes = ends - starts
+    t0 = starts // tm
+    t1 = xp.maximum(ends - 1, 0) // tm
+    if kind == "gmm":
+        n_items = xp.where(sizes > 0, t1 - t0 + 1, 0)
+    else:
+        n_items = xp.where(sizes > 0, t1 - t0 + 1, 1)
+    cum = xp.cumsum(n_items).astype(i32)
+    count = cum[-1]
+    ng = n_items.shape[0]
+    j = xp.arange(L, dtype=i32)
+    g = xp.minimum(xp.searchsorted(cum, j, side="right"), ng - 1).astype(i32)
+    tile = (t0[g] + j - (cum[g] - n_items[g])).astype(i32)
+    valid = j < count
+    lo = xp.clip(starts[g] - tile * tm, 0, tm).astype(i32)
+    hi = xp.clip(ends[g] - tile * tm, 0, tm).astype(i32)
+    compute = valid & (g < num_groups) & (hi > lo)
+
+    last_valid = xp.maximum(count - 1, 0)
+    key = tile if kind == "gmm" else g
+    out = xp.where(valid, key, key[last_valid]).astype(i32)
+    prev_key = xp.concatenate([xp.full((1,), -1, i32), key[:-1]])
+    next_key = xp.concatenate([key[1:], xp.full((1,), -1, i32)])
+    first = valid & ((j == 0) | (key != prev_key))
+    last = valid & ((j == count - 1) | (key != next_key))
+
+    # Blocks of items without MXU work stay those of the last computing item: no new DMA.
+    last_compute = xp.maximum.accumulate(xp.where(compute, j, -1))
+    has = last_compute >= 0
+    lc = xp.maximum(last_compute, 0)
+    res_tile = xp.where(has, tile[lc], 0).astype(i32)
+    res_group = xp.where(has, g[lc], 0).astype(i32)
+    kfix = xp.where(compute, 0, 1).astype(i32)
+
+    bucket_arr = xp.asarray(np.asarray(buckets, np.int32))
+    s0 = lo // unit * unit
+    bidx = xp.minimum(xp.searchsorted(bucket_arr, hi - s0, side="left"), len(buckets) - 1)
+    bidx = xp.where(compute, bidx, 0).astype(i32)
+    start = xp.where(compute, xp.minimum(s0, tm - bucket_arr[bidx]), 0).astype(i32)
+
+    flags = (xp.where(compute, F_COMPUTE, 0) | xp.where(first, F_FIRST, 0)
+             | xp.where(last, F_LAST, 0) | xp.where(valid, F_VALID, 0)).astype(i32)
+    fields = (out, res_tile, res_group, kfix, lo, hi, start, bidx, flags)
+    return xp.concatenate(fields).astype(i32)
+
+
+def _fields(wl: np.ndarray) -> dict[str, np.ndarray]:
+    L = wl.shape[0] // len(GMM_FIELDS)
+    return {name: wl[i * L:(i + 1) * L] for i, name in enumerate(GMM_FIELDS)}
+
+
+# -------------------------------------------------------------------------------------------------
+# Closed-form cost: a replay of the grid, counting a block copy whenever its index changes
+# -------------------------------------------------------------------------------------------------
+
+
+def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_dtype="bfloat16",
+                  rhs_dtype="bfloat16", out_dtype=None, transpose_rhs: bool = False,
+                  tiling=None, generation: Optional[str] = None,
+                  count_work_list: bool = False) -> KernelCost:
+    """What one call of `kind` ("gmm" or "tgmm") does, for concrete `group_sizes`.
+
+    gmm: lhs [M, K], rhs [G, K, N] ([G, N, K] with transpose_rhs); int8/fp8 rhs adds f32 scales
+    [G, N]. tgmm: lhs [M, K], dout [M, N] -> [G, K, N] (`rhs_dtype` is then dout's dtype).
+    hbm_bytes counts the BlockSpec copies exactly as the Pallas pipeline issues them: an input
+    block is copied when its block index differs from the previous grid step's, an output block is
+    written back when its index changes and after the last step; edge blocks count only their
+    in-bounds part. `count_work_list` adds the SMEM work list (scalar prefetch) to hbm_bytes.
+    min_hbm_bytes: the rows inside groups of lhs (and dout) and the weights of non-empty groups read
+    once, the output written once. useful_flops = 2 * rows in groups * K * N; mxu_flops counts every
+    matmul the kernel issues at its (bucket rows, tk, tn) size.
+    """
+    gs = np.asarray(group_sizes, dtype=np.int64)
+    lhs_dtype = np.dtype(lhs_dtype)
+    rhs_dtype = np.dtype(rhs_dtype)
+    out_dtype = np.dtype(out_dtype or lhs_dtype)
+    m, k = (int(d) for d in lhs_shape)
+    num_groups = gs.shape[0]
+    total = int(min(gs.sum(), m))
+    lb, wb, ob = lhs_dtype.itemsize, rhs_dtype.itemsize, out_dtype.itemsize
+    if kind == "gmm":
+        if transpose_rhs:
+            _, n, k2 = rhs_or_dout_shape
+        else:
+            _, k2, n = rhs_or_dout_shape
+        quantised = wb == 1
+        t = tiling if isinstance(tiling, GmmTiling) else gmm_tiling(
+            m, k, n, lhs_dtype, rhs_dtype, out_dtype, generation=generation, override=tiling)
+        unit = row_unit(lhs_dtype)
+    elif kind == "tgmm":
+        _, n = rhs_or_dout_shape
+        quantised = False
+        t = tiling if isinstance(tiling, TgmmTiling) else tgmm_tiling(
+            m, k, n, lhs_dtype, rhs_dtype, out_dtype, generation=generation, override=tiling)
+        unit = row_unit(lhs_dtype, rhs_dtype)
+    else:
+        raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+    tm, tk, tn = t.tm, t.tk, t.tn
+    buckets = bucket_sizes(tm, unit)
+    wl = _fields(work_list(gs.astype(np.int32), m=m, tm=tm, buckets=buckets, unit=unit, kind=kind))
+    L = wl["OUT"].shape[0]
+    kt, nt = -(-k // tk), -(-n // tn)
+
+    def rows(tile):  # in-bounds rows of a row tile
+        return max(0, min(tm, m - tile * tm))
+
+    def kcols(kb):
+        return min(tk, k - kb * tk)
+
+    def ncols(nb):
+        return min(tn, n - nb * tn)
+
+    nonempty = int((gs > 0).sum())
+    steps = nt * L * kt
+    mxu = 0
+    hbm = 0
+    compute = (wl["FLAGS"] & F_COMPUTE) != 0
+    bucket_rows = np.where(compute, np.asarray(buckets)[wl["BUCKET"]], 0)
+
+    if kind == "gmm":
+        prev = {"lhs": None, "rhs": None, "scale": None, "out": None}
+        out_bytes = 0
+        for nb in range(nt):
+            for j in range(L):
+                for kb in range(kt):
+                    kk = kt - 1 if wl["KFIX"][j] else kb
+                    lhs_idx = (int(wl["TILE"][j]), kk)
+                    rhs_idx = (int(wl["GROUP"][j]), kk, nb)
+                    out_idx = (int(wl["OUT"][j]), nb)
+                    if lhs_idx != prev["lhs"]:
+                        hbm += rows(lhs_idx[0]) * kcols(kk) * lb
+                    if rhs_idx != prev["rhs"]:
+                        hbm += kcols(kk) * ncols(nb) * wb
+                    if quantised and (rhs_idx[0], nb) != prev["scale"]:
+                        hbm += ncols(nb) * 4
+                    if prev["out"] is not None and out_idx != prev["out"]:
+                        out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
+                    prev = {"lhs": lhs_idx, "rhs": rhs_idx, "scale": (rhs_idx[0], nb),
+                            "out": out_idx}
+                    if compute[j]:
+                        mxu += 2 * int(bucket_rows[j]) * tk * tn
+        out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
+        hbm += out_bytes
+        min_bytes = (total * k * lb + nonempty * k * n * wb + m * n * ob
+                     + (nonempty * n * 4 if quantised else 0))
+        vmem = gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
+                              quantised=quantised)
+    else:
+        prev = {"lhs": None, "dout": None, "out": None}
+        out_bytes = 0
+        for kb in range(kt):
+            for nb in range(nt):
+                for j in range(L):
+                    tile = int(wl["TILE"][j])
+                    lhs_idx = (tile, kb)
+                    dout_idx = (tile, nb)
+                    out_idx = (int(wl["OUT"][j]), kb, nb)
+                    if lhs_idx != prev["lhs"]:
+                        hbm += rows(tile) * kcols(kb) * lb
+                    if dout_idx != prev["dout"]:
+                        hbm += rows(tile) * ncols(nb) * wb
+                    if prev["out"] is not None and out_idx != prev["out"]:
+                        out_bytes += kcols(prev["out"][1]) * ncols(prev["out"][2]) * ob
+                    prev = {"lhs": lhs_idx, "dout": dout_idx, "out": out_idx}
+                    if compute[j]:
+                        mxu += 2 * int(bucket_rows[j]) * tk * tn
+        out_bytes += kcols(prev["out"][1]) * ncols(prev["out"][2]) * ob
+        hbm += out_bytes
+        min_bytes = total * k * lb + total * n * wb + num_groups * k * n * ob
+        vmem = tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
+    if count_work_list:
+        hbm += len(GMM_FIELDS) * L * 4
+    return KernelCost(
+        useful_flops=2 * total * k * n,
+        mxu_flops=int(mxu),
+        hbm_bytes=int(hbm),
+        min_hbm_bytes=int(min_bytes),
+        grid_steps=int(steps),
+        vmem_bytes=int(vmem),
+    )

@@ -1,0 +1,58 @@
+# The two README commands: `make demo` (the main job) and `make test` (every test; .ci/run calls it).
+# Both set up what they need: .venv (pinned, requirements.txt), .libtpu (libtpu for deviceless
+# compiles) and .torch-tpu-env (torch-tpu for the TPU wrapper tests), each in its own folder.
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+LIBTPU_VERSION := 0.0.42.*
+PYTEST_ARGS ?=
+
+.PHONY: setup nix-check demo test build bench publish publish-dry-run clean
+
+setup: $(VENV)/.installed .libtpu/.installed .torch-tpu-env/.installed nix-check
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# libtpu lives outside the venv: installed into the venv it would make jax look for a TPU.
+.libtpu/.installed:
+	$(PIP) install -q --disable-pip-version-check --no-deps --target .libtpu "libtpu==$(LIBTPU_VERSION)"
+	touch $@
+
+# torch-tpu autoloads on `import torch` and, without a TPU, kills the process: it must never be in
+# the venv. The TPU wrapper tests put this folder on PYTHONPATH of a subprocess only.
+.torch-tpu-env/.installed:
+	$(PIP) install -q --disable-pip-version-check --no-deps --target .torch-tpu-env \
+		"torch-tpu==0.2.0" "libtpu==0.0.52" portpicker frozendict pyzmq absl-py immutabledict
+	touch $@
+
+# flake.nix syntax check needs nix-instantiate (Debian's nix-bin); install it when we are root.
+nix-check:
+	@command -v nix-instantiate >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		(apt-get update -qq && apt-get install -y -qq nix-bin) >/dev/null 2>&1; } || \
+		echo "note: nix-instantiate unavailable; flake.nix syntax tests need it"
+
+build: $(VENV)/.installed
+	$(PY) scripts/build.py
+
+demo: setup build
+	$(PY) scripts/demo.py
+
+test: setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: setup
+	JAX_PLATFORMS=cpu $(PY) benchmarks/run.py
+
+publish-dry-run: build
+	$(PY) scripts/publish.py --dry-run
+
+publish: build
+	$(PY) scripts/publish.py
+
+clean:
+	rm -rf dist

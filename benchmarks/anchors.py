@@ -1,0 +1,386 @@
+"""The JAX anchors (kernels shipped inside the jax wheel) on our benchmark shapes.
+
+For each anchor: a closed-form cost (`*_cost(shape) -> (KernelCost, notes)`) derived from its
+documented schedule, a function that runs it on small shapes in TPU interpret mode (so the tests
+can check the closed form exactly against the DMA counter), and what to compile deviceless.
+
+- megablox `gmm`: its grid size is a traced value (the number of (group, row tile) visits), so
+  under `jax.jit` it cannot be interpreted. Called without its jit wrapper (`gmm.__wrapped__`) on
+  concrete group sizes, the grid becomes a Python int and it runs in TPU interpret mode; the closed
+  form walks the index maps over `make_group_metadata`'s own visit list.
+- `flash_attention`: static grid (batch, heads, q blocks, kv blocks); every grid point is a step,
+  blocks above the causal diagonal skip compute and re-point K/V at block 0 (no copy). It has no
+  GQA (K/V are repeated to all query heads in HBM by XLA first), no sliding window and no soft cap.
+- `ragged_paged_attention`: does not run in TPU interpret mode in jax 0.10.2 (the interpreter lacks
+  a transform it uses), so it is counted from its schedule only (not checked by the counter):
+  grid (head blocks, q blocks); each q block walks the sequences overlapping it; each of their KV
+  blocks is `num_kv_pages_per_block` page DMAs (pages past the end re-fetch page 0).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "torch-ext") not in sys.path:
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+
+from tpu_generations import KernelCost  # noqa: E402
+
+from blockspec_model import Operand, pipeline_bytes  # noqa: E402
+
+__all__ = [
+    "GMM_TILING", "gmm_cost", "gmm_call", "flash_cost", "flash_call", "rpa_blocks", "rpa_cost",
+    "rpa_call", "itemsize",
+]
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1,
+             "float8_e5m2": 1, "int32": 4}
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[str(dtype)]
+
+
+def _jnp_dtype(dtype: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# megablox gmm
+# -------------------------------------------------------------------------------------------------
+
+GMM_TILING = (128, 128, 128)  # megablox's default (tm, tk, tn)
+
+
+def _megablox():
+    # `megablox.gmm` the attribute is the custom_vjp op; the module holds the kernel.
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
+    """megablox's own visit list: (group_ids, m_tile_ids, number of visits)."""
+    import jax.numpy as jnp
+
+    mg = _megablox()
+    (offsets, group_ids, m_tile_ids), num_tiles = mg.make_group_metadata(
+        group_sizes=jnp.asarray(group_sizes, jnp.int32), m=m, tm=tm,
+        start_group=jnp.int32(0), num_nonzero_groups=len(group_sizes), visit_empty_groups=False,
+    )
+    return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
+
+
+def gmm_min_bytes(shape) -> int:
+    isz = itemsize(shape.dtype)
+    used = int((shape.group_sizes > 0).sum())  # experts with no rows need not be read
+    return shape.m * shape.k * isz + used * shape.k * shape.n * isz + shape.m * shape.n * isz
+
+
+def gmm_useful_flops(shape) -> int:
+    return 2 * int(shape.group_sizes.sum()) * shape.k * shape.n
+
+
+def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
+    """megablox gmm's traffic from its index maps over its visit list (bf16 out by default)."""
+    tm, tk, tn = tiling
+    isz = itemsize(shape.dtype)
+    osz = itemsize(out_dtype or shape.dtype)
+    group_ids, m_tile_ids, visits = gmm_metadata(shape.group_sizes, shape.m, tm)
+    tiles_k, tiles_n = math.ceil(shape.k / tk), math.ceil(shape.n / tn)
+    grid = (tiles_n, visits, tiles_k)
+    ops = [
+        Operand("lhs", tm * tk * isz, lambda n, g, k: (m_tile_ids[g], k)),
+        Operand("rhs", tk * tn * isz, lambda n, g, k: (group_ids[g], k, n)),
+        Operand("out", tm * tn * osz, lambda n, g, k: (m_tile_ids[g], n), is_output=True),
+    ]
+    p = pipeline_bytes(grid, ops)
+    steps = p["steps"]
+    cost = KernelCost(
+        useful_flops=gmm_useful_flops(shape),
+        mxu_flops=2 * tm * tk * tn * steps,
+        hbm_bytes=p["read"] + p["write"],
+        min_hbm_bytes=gmm_min_bytes(shape),
+        grid_steps=steps,
+    )
+    return cost, {"tiling": list(tiling), "row_tile_visits": visits}
+
+
+def gmm_call(shape, tiling=GMM_TILING, interpret=False, out_dtype: str | None = None):
+    """(fn, args): megablox gmm on random data of `shape`; with concrete group sizes and no jit
+    the grid is static, so the call interprets."""
+    import jax
+    import jax.numpy as jnp
+
+    mg = _megablox()
+    key = jax.random.key(0)
+    lhs = jax.random.normal(key, (shape.m, shape.k), jnp.float32).astype(_jnp_dtype(shape.dtype))
+    rhs = jax.random.normal(jax.random.fold_in(key, 1), (shape.experts, shape.k, shape.n),
+                            jnp.float32).astype(_jnp_dtype(shape.dtype))
+    gs = jnp.asarray(shape.group_sizes, jnp.int32)
+    out_dtype = _jnp_dtype(out_dtype or shape.dtype)
+
+    def fn(lhs, rhs, gs):
+        return mg.gmm.__wrapped__(lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling,
+                                  interpret=interpret)
+
+    return fn, (lhs, rhs, gs)
+
+
+def gmm_compile_args(shape, tiling=GMM_TILING, out_dtype: str | None = None):
+    """(fn, avals) for the deviceless compile: the jitted op, group sizes traced as in real use."""
+    import jax.numpy as jnp
+
+    mg = _megablox()
+    out_dtype = _jnp_dtype(out_dtype or shape.dtype)
+    dt = _jnp_dtype(shape.dtype)
+
+    def fn(lhs, rhs, gs):
+        return mg.gmm(lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling)
+
+    return fn, [((shape.m, shape.k), dt), ((shape.experts, shape.k, shape.n), dt),
+                ((shape.experts,), jnp.int32)]
+
+
+# -------------------------------------------------------------------------------------------------
+# flash_attention
+# -------------------------------------------------------------------------------------------------
+
+FLASH_BLOCK = 128  # flash_attention's BlockSizes.get_default: 128 everywhere
+
+
+def attention_pairs(seq: int, causal: bool, window: int | None, q_len: int | None = None) -> int:
+    """(query, key) pairs the mask keeps for one head: causal bottom-right aligned, a window of w
+    keeps the query's own key and the w-1 before it."""
+    q_len = seq if q_len is None else q_len
+    pos = np.arange(seq - q_len, seq, dtype=np.int64)  # absolute positions of the queries
+    seen = pos + 1 if causal else np.full_like(pos, seq)
+    if window is not None:
+        seen = np.minimum(seen, window)
+    return int(seen.sum())
+
+
+def attention_min_bytes(shape) -> int:
+    isz = itemsize(shape.dtype)
+    qo = 2 * shape.batch * shape.q_heads * shape.seq * shape.head_dim * isz
+    kv = 2 * shape.batch * shape.kv_heads * shape.seq * shape.head_dim * isz
+    return qo + kv
+
+
+def attention_useful_flops(shape) -> int:
+    # QK^T and PV: 2 * d FLOPs each per kept (query, key) pair.
+    pairs = attention_pairs(shape.seq, shape.causal, shape.window)
+    return 4 * shape.head_dim * pairs * shape.batch * shape.q_heads
+
+
+def _below_or_on_diag(r, rb, c, cb):
+    return ((r + 1) * rb - 1) > (c * cb)
+
+
+def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
+    """flash_attention forward (no residuals) with its default 128 blocks. It computes plain
+    causal (or full) attention: a window or soft cap in `shape` is not applied (it has neither).
+    `include_repeat` adds the XLA repeat of K/V to all query heads that GQA needs before the call."""
+    B, H, S, d = shape.batch, shape.q_heads, shape.seq, shape.head_dim
+    isz = itemsize(shape.dtype)
+    bq = bk = min(block, S)
+    nq, nk = math.ceil(S / bq), S // bk
+    causal = shape.causal
+    blk = bq * d * isz
+
+    def kv_map(b, h, qi, ki):
+        return (b, h, np.where(_below_or_on_diag(qi, bq, ki, bk), ki, 0) if causal else ki)
+
+    ops = [
+        Operand("q", blk, lambda b, h, qi, ki: (b, h, qi)),
+        Operand("k", bk * d * isz, kv_map),
+        Operand("v", bk * d * isz, kv_map),
+        Operand("o", blk, lambda b, h, qi, ki: (b, h, qi), is_output=True),
+    ]
+    grid = (B, H, nq, nk)
+    p = pipeline_bytes(grid, ops)
+    qi, ki = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
+    run_per_head = int(_below_or_on_diag(qi, bq, ki, bk).sum()) if causal else nq * nk
+    kernel_bytes = p["read"] + p["write"]
+    repeat = 0
+    if include_repeat and shape.kv_heads != H:
+        repeat = 2 * B * S * d * isz * (shape.kv_heads + H)  # read K,V once; write them repeated
+    notes = []
+    if shape.kv_heads != H:
+        notes.append(f"no GQA: K/V repeated to {H} heads by XLA ({repeat:,} B included)")
+    if shape.window is not None:
+        notes.append("no sliding window: computes full causal")
+    if shape.softcap is not None:
+        notes.append("no soft cap")
+    cost = KernelCost(
+        useful_flops=attention_useful_flops(shape),
+        mxu_flops=4 * bq * bk * d * run_per_head * B * H,
+        hbm_bytes=kernel_bytes + repeat,
+        min_hbm_bytes=attention_min_bytes(shape),
+        grid_steps=p["steps"],
+    )
+    return cost, {"block": bq, "kernel_hbm_bytes": kernel_bytes, "notes": notes}
+
+
+def flash_call(shape, block: int = FLASH_BLOCK):
+    """(fn, args) running flash_attention on random data (K/V already at q_heads: the kernel's own
+    traffic, without the repeat)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    dt = _jnp_dtype(shape.dtype)
+    key = jax.random.key(1)
+    qshape = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
+    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), qshape, jnp.float32).astype(dt)
+               for i in range(3))
+    bs = fa.BlockSizes(block_q=min(block, shape.seq), block_k_major=min(block, shape.seq),
+                       block_k=min(block, shape.seq), block_b=1)
+
+    def fn(q, k, v):
+        return fa.flash_attention(q, k, v, causal=shape.causal, sm_scale=shape.head_dim ** -0.5,
+                                  block_sizes=bs)
+
+    return fn, (q, k, v)
+
+
+def flash_compile_args(shape, block: int = FLASH_BLOCK):
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    dt = _jnp_dtype(shape.dtype)
+    b = min(block, shape.seq)
+    bs = fa.BlockSizes(block_q=b, block_k_major=b, block_k=b, block_b=1)
+    rep = shape.q_heads // shape.kv_heads
+
+    def fn(q, k, v):
+        k = jnp.repeat(k, rep, axis=1)
+        v = jnp.repeat(v, rep, axis=1)
+        return fa.flash_attention(q, k, v, causal=shape.causal, sm_scale=shape.head_dim ** -0.5,
+                                  block_sizes=bs)
+
+    qs = ((shape.batch, shape.q_heads, shape.seq, shape.head_dim), dt)
+    kvs = ((shape.batch, shape.kv_heads, shape.seq, shape.head_dim), dt)
+    return fn, [qs, kvs, kvs]
+
+
+# -------------------------------------------------------------------------------------------------
+# ragged_paged_attention
+# -------------------------------------------------------------------------------------------------
+
+
+def rpa_blocks(shape):
+    """(q heads per block, combined KV heads per block, KV pages per block, queries per block),
+    as ragged_paged_attention picks them: its own head blocking, and its tuned table for
+    'TPU v6' (its defaults (128 pages, 32 queries) where the table has no entry)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rk
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tb
+
+    dt = _jnp_dtype(shape.dtype)
+    hq_blk, hkv2_blk = rk.get_min_heads_per_blk(shape.q_heads, 2 * shape.kv_heads, dt, dt)
+    key = tb.simplify_key((dt, dt, hq_blk, hkv2_blk // 2, shape.head_dim, shape.page_size,
+                           shape.q_tokens, shape.pages_per_seq))
+    bkv, bq = tb.TUNED_BLOCK_SIZES.get("TPU v6", {}).get(key, (128, 32))
+    return hq_blk, hkv2_blk, min(shape.pages_per_seq, bkv), min(shape.q_tokens, bq)
+
+
+def paged_min_bytes(shape) -> int:
+    """q read, o written, every valid KV byte read once (page tables not counted)."""
+    isz = itemsize(shape.dtype)
+    qo = 2 * shape.q_tokens * shape.q_heads * shape.head_dim * isz
+    kv = sum(min(kv, shape.window or kv) for _, kv in shape.seqs) * 2 * shape.kv_heads * \
+        shape.head_dim * isz
+    return qo + kv
+
+
+def paged_useful_flops(shape) -> int:
+    pairs = sum(attention_pairs(kv, True, shape.window, q_len=q) for q, kv in shape.seqs)
+    return 4 * shape.head_dim * shape.q_heads * pairs
+
+
+def rpa_cost(shape):
+    """ragged_paged_attention's traffic from its schedule (see the module docstring)."""
+    isz = itemsize(shape.dtype)
+    hq_blk, hkv2_blk, pages_blk, bq = rpa_blocks(shape)
+    head_blocks = shape.q_heads // hq_blk
+    T = shape.q_tokens
+    nq = math.ceil(T / bq)
+    kv_per_blk = pages_blk * shape.page_size
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in shape.seqs])])
+    kv_block_visits = 0
+    for qb in range(nq):
+        qs, qe = qb * bq, (qb + 1) * bq
+        for s, (_, kv) in enumerate(shape.seqs):
+            if cu[s] < qe and cu[s + 1] > qs:
+                kv_block_visits += math.ceil(kv / kv_per_blk)
+    kv_block_visits *= head_blocks
+    dmas = kv_block_visits * pages_blk
+    dma_bytes = dmas * shape.page_size * hkv2_blk * shape.head_dim * isz
+    steps = head_blocks * nq
+    qo_bytes = 2 * steps * bq * hq_blk * shape.head_dim * isz  # q block in, o block out per step
+    cost = KernelCost(
+        useful_flops=paged_useful_flops(shape),
+        mxu_flops=4 * bq * hq_blk * kv_per_blk * shape.head_dim * kv_block_visits,
+        hbm_bytes=dma_bytes + qo_bytes,
+        min_hbm_bytes=paged_min_bytes(shape),
+        grid_steps=steps,
+    )
+    notes = ["closed form only: does not run in TPU interpret mode (jax 0.10.2)"]
+    if shape.window is not None:
+        notes.append("sliding window masks but still fetches every page")
+    return cost, {"pages_per_block": pages_blk, "queries_per_block": bq, "dmas": dmas,
+                  "notes": notes}
+
+
+def _rpa_inputs(shape):
+    """Concrete inputs: a page table giving each sequence its own consecutive pages."""
+    pps = shape.pages_per_seq
+    n = len(shape.seqs)
+    page_indices = np.arange(n * pps, dtype=np.int32).reshape(n, pps)
+    kv_lens = np.asarray([kv for _, kv in shape.seqs], np.int32)
+    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in shape.seqs])]).astype(np.int32)
+    return kv_lens, page_indices, cu_q, n * pps
+
+
+def rpa_compile_args(shape):
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rk
+
+    dt = _jnp_dtype(shape.dtype)
+    _, _, pages_blk, bq = rpa_blocks(shape)
+    n = len(shape.seqs)
+    total_pages = n * shape.pages_per_seq
+
+    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        return rk.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=shape.head_dim ** -0.5, sliding_window=shape.window,
+            num_kv_pages_per_block=pages_blk, num_queries_per_block=bq)
+
+    return fn, [
+        ((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
+        ((total_pages, shape.page_size, 2 * shape.kv_heads, shape.head_dim), dt),
+        ((n,), jnp.int32), ((n, shape.pages_per_seq), jnp.int32), ((n + 1,), jnp.int32),
+        ((1,), jnp.int32),
+    ]
+
+
+def rpa_call(shape):
+    """(fn, args) on random data; runs in plain interpret mode only (see module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    fn, avals = rpa_compile_args(shape)
+    kv_lens, page_indices, cu_q, total_pages = _rpa_inputs(shape)
+    key = jax.random.key(2)
+    q = jax.random.normal(key, avals[0][0], jnp.float32).astype(avals[0][1])
+    kv = jax.random.normal(jax.random.fold_in(key, 1), avals[1][0], jnp.float32).astype(avals[1][1])
+    return fn, (q, kv, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q),
+                jnp.asarray([len(shape.seqs)], jnp.int32))

@@ -1,0 +1,144 @@
+"""The named benchmark shapes (real models) and their small counterparts (interpretable on CPU).
+
+Every shape is a frozen dataclass with a `name`; `NAMED[kernel]` holds the production shapes of
+issue 6, `SMALL[kernel]` small shapes of the same kind, used by `run.py --small`, by the tests
+that check closed forms against the TPU interpreter, and by the committed small-shape results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+__all__ = ["RaggedDotShape", "AttentionShape", "PagedShape", "NAMED", "SMALL", "routing_group_sizes"]
+
+SEED = 0  # one fixed seed for every random routing
+
+
+@functools.lru_cache(maxsize=None)
+def _routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[int, ...]:
+    """Group sizes of a realistic MoE routing: each token picks `top_k` distinct experts uniformly
+    at random (a fixed seed). Rows are then sorted by expert, as every grouped matmul expects."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return tuple(int(c) for c in np.bincount(picks.ravel(), minlength=experts))
+
+
+def routing_group_sizes(tokens: int, experts: int, top_k: int, seed: int = SEED) -> np.ndarray:
+    return np.asarray(_routing(tokens, experts, top_k, seed), dtype=np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotShape:
+    """out[M, N] = lhs[M, K] @ rhs[group][K, N], M = tokens * top_k rows sorted by expert."""
+
+    name: str
+    tokens: int
+    experts: int
+    top_k: int
+    k: int
+    n: int
+    dtype: str = "bfloat16"
+    seed: int = SEED
+
+    @property
+    def m(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def group_sizes(self) -> np.ndarray:
+        return routing_group_sizes(self.tokens, self.experts, self.top_k, self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """Self-attention prefill: q [batch, q_heads, seq, d], k/v [batch, kv_heads, seq, d]."""
+
+    name: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    causal: bool = True
+    window: int | None = None  # sliding window: a query sees itself and the window-1 keys before it
+    softcap: float | None = None
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+    """Ragged paged attention: sequences given as (new query tokens, total KV length incl. them).
+
+    The KV cache is paged with `page_size` tokens per page; every sequence owns
+    ceil(kv_len / page_size) pages."""
+
+    name: str
+    seqs: tuple[tuple[int, int], ...]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    window: int | None = None
+    dtype: str = "bfloat16"
+
+    @property
+    def q_tokens(self) -> int:
+        return sum(q for q, _ in self.seqs)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return max(-(-kv // self.page_size) for _, kv in self.seqs)
+
+
+def _moe(prefix, tokens, experts, top_k, hidden, inter, gated=True):
+    """gate_up: [M, hidden] x [hidden, 2*inter] (gate and up concatenated); down: [M, inter] x [inter, hidden]."""
+    n_up = 2 * inter if gated else inter
+    return [
+        RaggedDotShape(f"{prefix}_gate_up_t{tokens}", tokens, experts, top_k, hidden, n_up),
+        RaggedDotShape(f"{prefix}_down_t{tokens}", tokens, experts, top_k, inter, hidden),
+    ]
+
+
+NAMED = {
+    "ragged_dot": [
+        # Qwen3-30B-A3B: hidden 2048, expert intermediate 768, 128 experts, top-8.
+        *_moe("qwen3_30b_a3b", 64, 128, 8, 2048, 768),
+        *_moe("qwen3_30b_a3b", 4096, 128, 8, 2048, 768),
+        # Mixtral-8x7B: hidden 4096, intermediate 14336, 8 experts, top-2.
+        *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
+    ],
+    "flash_attention": [
+        AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
+        AttentionShape("llama3_8b_window1024_8192", 1, 32, 8, 8192, 128, window=1024),
+        AttentionShape("gemma_d256_window4096_softcap50_8192", 1, 8, 4, 8192, 256, window=4096,
+                       softcap=50.0),
+    ],
+    "paged_attention": [
+        PagedShape("llama3_8b_decode_b64_ctx8192", tuple((1, 8192) for _ in range(64)), 32, 8, 128,
+                   page_size=128),
+        # 63 decoding sequences plus one 2048-token prefill chunk (the last chunk of an
+        # 8192-token prompt).
+        PagedShape("llama3_8b_mixed_63dec_prefill2048", tuple([(1, 8192)] * 63 + [(2048, 8192)]),
+                   32, 8, 128, page_size=128),
+    ],
+}
+
+SMALL = {
+    "ragged_dot": [
+        RaggedDotShape("small_moe_gate_up_t16", 16, 8, 2, 256, 256),
+        RaggedDotShape("small_moe_down_t16", 16, 8, 2, 128, 256),
+    ],
+    "flash_attention": [
+        AttentionShape("small_causal_512", 1, 2, 1, 512, 128),
+        AttentionShape("small_window128_512", 1, 2, 1, 512, 128, window=128),
+    ],
+    "paged_attention": [
+        PagedShape("small_decode_b4_ctx300", tuple((1, 300) for _ in range(4)), 4, 1, 128,
+                   page_size=16),
+        PagedShape("small_mixed_3dec_prefill40", ((1, 200), (1, 64), (1, 129), (40, 96)), 4, 1,
+                   128, page_size=16),
+    ],
+}

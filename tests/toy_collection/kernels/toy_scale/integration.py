@@ -1,0 +1,1 @@
+"""No Transformers glue for the toy kernel."""
