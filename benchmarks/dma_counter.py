@@ -14,6 +14,10 @@ across the HBM boundary:
 
 Grid steps come from the interpreter's own `grid_point_recorder` hook.
 
+Grid order: the interpreter walks "parallel" grid dimensions in a random permutation (to catch
+megacore assumptions). That changes which consecutive steps share a block, so by default the
+counter makes it walk them in order, as one TensorCore does (`natural_order=True`).
+
 What is not counted: scalar-prefetch operands (the interpreter places them in SMEM directly), the
 final read of outputs by the caller, and loads/stores inside the kernel body (VMEM/SMEM only).
 Edge blocks are counted at their full block size: the interpreter pads every array to whole
@@ -58,6 +62,8 @@ class Traffic:
     # (source space, destination space) -> [count, bytes] for manual DMAs
     dmas: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
     grid_steps: int = 0
+    # operand name (as the interpreter names it) -> [copies, bytes] for BlockSpec copies
+    by_operand: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
 
     @property
     def dma_count(self) -> int:
@@ -144,10 +150,13 @@ def _get(*args, **kwargs):
     result = _orig_get(*args, **kwargs)
     if kwargs.get("input_name") is not None and _active:
         nbytes = int(result[1].nbytes)
+        name = kwargs["input_name"]
 
         def add(t):
             t.blockspec_reads += 1
             t.blockspec_read_bytes += nbytes
+            t.by_operand[name][0] += 1
+            t.by_operand[name][1] += nbytes
 
         _each_active(add)
     return result
@@ -159,10 +168,13 @@ def _store(*args, **kwargs):
     if kwargs.get("output_name") is not None and _active:
         val = kwargs["val"] if "val" in kwargs else args[6]
         nbytes = int(val.nbytes)
+        name = kwargs["output_name"]
 
         def add(t):
             t.blockspec_writes += 1
             t.blockspec_write_bytes += nbytes
+            t.by_operand[name][0] += 1
+            t.by_operand[name][1] += nbytes
 
         _each_active(add)
     return result
@@ -184,6 +196,19 @@ def _install():
 
 
 _install()
+
+
+_orig_grid_coordinates = _ipc._get_randomized_grid_coordinates
+
+
+def _natural_grid_coordinates(grid, mosaic_params, random_seed):
+    """The interpreter's per-dimension coordinate lists, with parallel dimensions in order."""
+    import jax.numpy as jnp
+
+    coords = _orig_grid_coordinates(grid, mosaic_params, random_seed)
+    return tuple(
+        jnp.arange(c.shape[0], dtype=jnp.int32) if c.shape[0] else c for c in coords
+    )
 
 
 def _record_grid_point(token, grid_point, core_index):
@@ -212,17 +237,20 @@ def interpret_params(**overrides):
 
 
 @contextlib.contextmanager
-def count_traffic(params=None, clear_caches: bool = True):
+def count_traffic(params=None, clear_caches: bool = True, natural_order: bool = True):
     """Count HBM traffic and grid steps of every Pallas TPU kernel run inside the block.
 
     All `pallas_call`s traced inside run in TPU interpret mode with `params` (default:
     `interpret_params()`), whatever `interpret=` their code passes. Run the kernel to completion
-    (`jax.block_until_ready`) inside the block."""
+    (`jax.block_until_ready`) inside the block. `natural_order` walks "parallel" grid dimensions
+    in order (one TensorCore) instead of the interpreter's random permutation."""
     traffic = Traffic()
     if clear_caches:
         jax.clear_caches()
     with _lock:
         _active.append(traffic)
+    if natural_order:
+        _ipc._get_randomized_grid_coordinates = _natural_grid_coordinates
     try:
         with pltpu.force_tpu_interpret_mode(params or interpret_params()):
             yield traffic
@@ -230,6 +258,7 @@ def count_traffic(params=None, clear_caches: bool = True):
         pltpu.reset_tpu_interpret_mode_state()
         raise
     finally:
+        _ipc._get_randomized_grid_coordinates = _orig_grid_coordinates
         with _lock:
             _active.remove(traffic)
         if clear_caches:

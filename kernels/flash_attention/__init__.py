@@ -1,1 +1,1 @@
-"""TODO(flash_attention): __init__."""
+from . import kernel, reference, tiling

@@ -631,7 +631,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hkv, n_q), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, G, bq, D), q_map),
-            scratch_shapes=[pltpu.VMEM((G, bq, D), jnp.float32),
+            scratch_shapes=[pltpu.VMEM((rows, D), jnp.float32),
                             pltpu.VMEM((rows, NUM_LANES), jnp.float32),
                             pltpu.VMEM((rows, NUM_LANES), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),

@@ -1,9 +1,9 @@
 """Ragged paged attention: one Pallas TPU kernel for decode, chunked prefill and mixed batches.
 
 Data. Queries of all sequences are packed along tokens, q [T, Hq, D], sequence s owning tokens
-[cu_q_lens[s], cu_q_lens[s+1]). Its keys live in a paged cache: KV cache [num_pages, page_size,
-2 * Hkv, D] with K and V interleaved per KV head (index 2h is K of head h, 2h+1 its V), or two
-caches k/v [num_pages, page_size, Hkv, D] (flash-attn's layout). page_table [S, pages_per_seq]
+[cu_q_lens[s], cu_q_lens[s+1]). Its keys live in a paged, head-major cache: KV cache
+[num_pages, 2 * Hkv, page_size, D] with K and V interleaved per KV head (index 2h is K of head h,
+2h+1 its V), or two caches k/v [num_pages, Hkv, page_size, D]. page_table [S, pages_per_seq]
 maps a sequence's page i to a cache page; kv_lens[s] keys are valid, the queries being the last
 q_len positions among them (causal masking is aligned to the end of the sequence).
 
@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -142,7 +143,7 @@ def _paged_kernel(
     # Prefetch the next item's pages into the other slot while this one is computed.
     @pl.when(i + 1 < nitems)
     def _():
-        fetch(i + 1, (i + 1) % 2, start=True)
+        fetch(i + 1, lax.rem(i + 1, 2), start=True)
 
     qb = field(0, i)
     prev_qb = field(0, jnp.maximum(i - 1, 0))
@@ -162,7 +163,7 @@ def _paged_kernel(
     q_start = cu_ref[seq]
     q_end = cu_ref[seq + 1]
     kv_len = kv_lens_ref[seq]
-    slot = i % 2
+    slot = lax.rem(i, 2)
     blk_tok0 = qb * block_q
     r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
     r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
@@ -170,7 +171,7 @@ def _paged_kernel(
     def compute(r0, nr: int):
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
         col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
-        tok = blk_tok0 + (row // group if group & (group - 1) else row >> (group.bit_length() - 1))
+        tok = blk_tok0 + lax.div(row, group)
         qpos = kv_len - (q_end - q_start) + (tok - q_start)
         kpos = first_page * page_size + col
         col_ok = (col < npages * page_size) & (kpos < kv_len)
@@ -184,11 +185,13 @@ def _paged_kernel(
             + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < kv_len)
         for h in range(num_kv_heads):
             if n_arr == 1:
-                k_arr, k_off, v_arr, v_off = 0, 2 * h * head_dim, 0, (2 * h + 1) * head_dim
+                k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
             else:
-                k_arr, k_off, v_arr, v_off = 0, h * head_dim, 1, h * head_dim
-            k = bufs[k_arr][slot, :, :, pl.ds(k_off, head_dim)].reshape(kv_tok, head_dim)
-            v = bufs[v_arr][slot, :, :, pl.ds(v_off, head_dim)].reshape(kv_tok, head_dim)
+                k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
+            # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
+            # sublane tile, so this merge is free.
+            k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
+            v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
             q = q_ref[h, pl.ds(r0, nr), :]
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * sm_scale
@@ -216,11 +219,13 @@ def _paged_kernel(
         fetch(i, slot, start=False)
 
     if narrow < rows:
-        fits = (r_lo // narrow) == ((r_hi - 1) // narrow)
+        # Non-negative operands: truncating division (Mosaic has no floor division lowering for
+        # every generation).
+        fits = lax.div(r_lo, narrow) == lax.div(r_hi - 1, narrow)
 
         @pl.when(active & fits)
         def _():
-            compute(pl.multiple_of((r_lo // narrow) * narrow, narrow), narrow)
+            compute(pl.multiple_of(lax.div(r_lo, narrow) * narrow, narrow), narrow)
 
         @pl.when(active & jnp.logical_not(fits))
         def _():
@@ -255,8 +260,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Attention of packed queries over a paged KV cache (module docstring for the layout).
 
-    q [T, Hq, D]; kv_pages [num_pages, page_size, 2*Hkv, D] (K/V interleaved per head) or, with
-    `v_pages`, k pages [num_pages, page_size, Hkv, D] and v_pages of the same shape; kv_lens [S]
+    q [T, Hq, D]; kv_pages [num_pages, 2*Hkv, page_size, D] (K/V interleaved per head) or, with
+    `v_pages`, k pages [num_pages, Hkv, page_size, D] and v_pages of the same shape; kv_lens [S]
     int32; page_table [S, pages_per_seq] int32; cu_q_lens [S+1] int32; num_seqs [1] int32 (only
     the first num_seqs slots are live). Returns o [T, Hq, D] in q's dtype; rows of tokens that
     belong to no live sequence are zero. `sliding_window` w: a query at position p sees keys
@@ -265,8 +270,8 @@ def ragged_paged_attention(
     """
     T, hq, d = q.shape
     n_arr = 1 if v_pages is None else 2
-    num_pages, page_size = kv_pages.shape[:2]
-    hkv = kv_pages.shape[2] // 2 if n_arr == 1 else kv_pages.shape[2]
+    num_pages, heads_in_cache, page_size = kv_pages.shape[:3]
+    hkv = heads_in_cache // 2 if n_arr == 1 else heads_in_cache
     group = hq // hkv
     S, pages_per_seq = page_table.shape
     sm_scale = float(d ** -0.5 if sm_scale is None else sm_scale)
@@ -298,12 +303,10 @@ def ragged_paged_attention(
     # [T, Hq, D] -> [Hkv, T_pad * G, D]: the G query heads of a KV head become token-major rows.
     qh = q.reshape(T, hkv, group, d).transpose(1, 0, 2, 3)
     qh = jnp.pad(qh, ((0, 0), (0, t_pad - T), (0, 0), (0, 0))).reshape(hkv, t_pad * group, d)
-    lanes = kv_pages.shape[2] * d
-    # A page is a [page_size, heads * D] tile (a free reshape): one DMA moves every head, and the
-    # kernel reads head h as a D-lane slice.
-    caches = [kv_pages.reshape(num_pages, page_size, lanes)]
-    if n_arr == 2:
-        caches.append(v_pages.reshape(num_pages, page_size, lanes))
+    # Pages are head-major ([heads, page_size, D]): one contiguous DMA moves every head of a page,
+    # and head h is a leading-dim index of the VMEM buffer (no strided sublane loads). A
+    # token-major cache would need a relayout copy of the whole cache here.
+    caches = [kv_pages] + ([v_pages] if n_arr == 2 else [])
 
     kernel = functools.partial(
         _paged_kernel, n_arr=n_arr, num_kv_heads=hkv, head_dim=d, group=group, block_q=bq,
@@ -323,7 +326,7 @@ def ragged_paged_attention(
         grid=(max_items,),
         in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)] + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr,
         out_specs=pl.BlockSpec((hkv, rows, d), qo_map),
-        scratch_shapes=[pltpu.VMEM((2, ppb, page_size, lanes), kv_pages.dtype) for _ in range(n_arr)]
+        scratch_shapes=[pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_pages.dtype) for _ in range(n_arr)]
         + [
             pltpu.SemaphoreType.DMA((2, n_arr)),
             pltpu.VMEM((hkv, rows, 1), jnp.float32),
@@ -350,16 +353,16 @@ def write_kv(kv_pages: jax.Array, new_kv: jax.Array, kv_lens: jax.Array, page_ta
              cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
     """The cache with the new tokens' K/V written at their slots, everything else unchanged.
 
-    new_kv [T, C, D] (C = the cache's third dim): token t of sequence s goes to position
-    kv_lens[s] - q_len[s] + (t - cu_q_lens[s]) of s, i.e. page page_table[s, pos // page_size],
-    row pos % page_size. Tokens of dead slots (s >= num_seqs) and padding tokens are dropped. A
-    scatter: under jit with the cache donated XLA updates it in place.
+    kv_pages [num_pages, C, page_size, D] (head-major pages), new_kv [T, C, D]: token t of sequence
+    s goes to position kv_lens[s] - q_len[s] + (t - cu_q_lens[s]) of s, i.e. page
+    page_table[s, pos // page_size], row pos % page_size. Tokens of dead slots (s >= num_seqs) and
+    padding tokens are dropped. A scatter: under jit with the cache donated XLA updates it in place.
     """
-    slots = write_slots(kv_lens, page_table, cu_q_lens, num_seqs, kv_pages.shape[1],
-                        new_kv.shape[0], num_pages=kv_pages.shape[0])
-    flat = kv_pages.reshape(-1, *kv_pages.shape[2:])
-    flat = flat.at[slots].set(new_kv.astype(kv_pages.dtype), mode="drop")
-    return flat.reshape(kv_pages.shape)
+    num_pages, _, page_size, _ = kv_pages.shape
+    slots = write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size, new_kv.shape[0],
+                        num_pages=num_pages)
+    page, row = slots // page_size, slots % page_size
+    return kv_pages.at[page, :, row, :].set(new_kv.astype(kv_pages.dtype), mode="drop")
 
 
 def write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_tokens: int,

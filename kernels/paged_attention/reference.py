@@ -15,17 +15,20 @@ def _f32(x):
 
 
 def gather_kv(kv_pages, page_table_row, kv_len, v_pages=None):
-    """K [kv_len, Hkv, D] and V of one sequence from the pages."""
+    """K [kv_len, Hkv, D] and V of one sequence from head-major pages [num_pages, C, page_size, D]."""
     kv_pages = np.asarray(kv_pages)
-    ps = kv_pages.shape[1]
+    ps = kv_pages.shape[2]
     n = -(-kv_len // ps)
     pages = np.asarray(page_table_row)[:n]
+
+    def tokens(cache):  # [n, C, ps, D] -> [n * ps, C, D]
+        x = np.asarray(cache)[pages].transpose(0, 2, 1, 3)
+        return x.reshape(n * ps, x.shape[2], x.shape[3])[:kv_len]
+
     if v_pages is None:
-        flat = kv_pages[pages].reshape(n * ps, kv_pages.shape[2], kv_pages.shape[3])[:kv_len]
+        flat = tokens(kv_pages)
         return flat[:, 0::2], flat[:, 1::2]
-    k = kv_pages[pages].reshape(n * ps, *kv_pages.shape[2:])[:kv_len]
-    v = np.asarray(v_pages)[pages].reshape(n * ps, *kv_pages.shape[2:])[:kv_len]
-    return k, v
+    return tokens(kv_pages), tokens(v_pages)
 
 
 def attention_ref(q, k, v, *, sm_scale, kv_offset, sliding_window=None, soft_cap=None,
@@ -81,17 +84,17 @@ def ragged_paged_attention_ref(q, kv_pages, kv_lens, page_table, cu_q_lens, num_
 
 
 def write_kv_ref(kv_pages, new_kv, kv_lens, page_table, cu_q_lens, num_seqs):
-    """The cache after writing the new tokens (numpy copy): token j of sequence s at position
+    """The cache [num_pages, C, page_size, D] after writing new_kv [T, C, D] (numpy copy): token j of sequence s at position
     kv_lens[s] - q_len + j."""
     out = np.array(kv_pages, copy=True)
-    ps = out.shape[1]
+    ps = out.shape[2]
     cu = np.asarray(cu_q_lens)
     n = int(np.asarray(num_seqs).reshape(-1)[0])
     for s in range(n):
         a, b = int(cu[s]), int(cu[s + 1])
         for j, t in enumerate(range(a, b)):
             pos = int(kv_lens[s]) - (b - a) + j
-            out[int(page_table[s][pos // ps]), pos % ps] = np.asarray(new_kv)[t]
+            out[int(page_table[s][pos // ps]), :, pos % ps] = np.asarray(new_kv)[t]
     return out
 
 
