@@ -88,6 +88,13 @@ def gmm_useful_flops(shape) -> int:
     return 2 * int(shape.group_sizes.sum()) * shape.k * shape.n
 
 
+def gmm_large_tiling(shape):
+    """A stronger megablox configuration than its default: 128 rows, K tiles up to 2048 and N
+    tiles up to 1024 (what a user tuning it for these shapes would pick; fits every
+    generation's default scoped VMEM)."""
+    return (128, min(shape.k, 2048), min(shape.n, 1024))
+
+
 def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
     """megablox gmm's traffic from its index maps over its visit list (bf16 out by default)."""
     tm, tk, tn = tiling
@@ -109,6 +116,8 @@ def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
         hbm_bytes=p["read"] + p["write"],
         min_hbm_bytes=gmm_min_bytes(shape),
         grid_steps=steps,
+        # double-buffered lhs, rhs and out blocks + the f32 accumulator
+        vmem_bytes=2 * (tm * tk + tk * tn) * isz + 2 * tm * tn * osz + tm * tn * 4,
     )
     return cost, {"tiling": list(tiling), "row_tile_visits": visits}
 
@@ -225,6 +234,8 @@ def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
         hbm_bytes=kernel_bytes + repeat,
         min_hbm_bytes=attention_min_bytes(shape),
         grid_steps=p["steps"],
+        # double-buffered q, k, v, o blocks + f32 m, l (128 lanes) and accumulator scratch
+        vmem_bytes=2 * (2 * bq + 2 * bk) * d * isz + 2 * bq * 128 * 4 + bq * d * 4,
     )
     return cost, {"block": bq, "kernel_hbm_bytes": kernel_bytes, "notes": notes}
 
@@ -276,10 +287,20 @@ def flash_compile_args(shape, block: int = FLASH_BLOCK):
 # -------------------------------------------------------------------------------------------------
 
 
-def rpa_blocks(shape):
+RPA_FIT_KV_BYTES = 4 << 20  # per KV slot for the "fits VMEM" configuration (two slots)
+
+
+def rpa_fit_pages(shape) -> int:
+    """KV pages per block so that one KV slot holds at most RPA_FIT_KV_BYTES (all KV heads)."""
+    page = shape.page_size * 2 * shape.kv_heads * shape.head_dim * itemsize(shape.dtype)
+    return max(1, min(shape.pages_per_seq, RPA_FIT_KV_BYTES // page))
+
+
+def rpa_blocks(shape, pages_per_block=None):
     """(q heads per block, combined KV heads per block, KV pages per block, queries per block),
     as ragged_paged_attention picks them: its own head blocking, and its tuned table for
-    'TPU v6' (its defaults (128 pages, 32 queries) where the table has no entry)."""
+    'TPU v6' (its defaults (128 pages, 32 queries) where the table has no entry).
+    `pages_per_block` overrides the KV pages per block."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rk
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tb
 
@@ -288,6 +309,7 @@ def rpa_blocks(shape):
     key = tb.simplify_key((dt, dt, hq_blk, hkv2_blk // 2, shape.head_dim, shape.page_size,
                            shape.q_tokens, shape.pages_per_seq))
     bkv, bq = tb.TUNED_BLOCK_SIZES.get("TPU v6", {}).get(key, (128, 32))
+    bkv = pages_per_block or bkv
     return hq_blk, hkv2_blk, min(shape.pages_per_seq, bkv), min(shape.q_tokens, bq)
 
 
@@ -305,10 +327,10 @@ def paged_useful_flops(shape) -> int:
     return 4 * shape.head_dim * shape.q_heads * pairs
 
 
-def rpa_cost(shape):
+def rpa_cost(shape, pages_per_block=None):
     """ragged_paged_attention's traffic from its schedule (see the module docstring)."""
     isz = itemsize(shape.dtype)
-    hq_blk, hkv2_blk, pages_blk, bq = rpa_blocks(shape)
+    hq_blk, hkv2_blk, pages_blk, bq = rpa_blocks(shape, pages_per_block)
     head_blocks = shape.q_heads // hq_blk
     T = shape.q_tokens
     nq = math.ceil(T / bq)
@@ -325,12 +347,17 @@ def rpa_cost(shape):
     dma_bytes = dmas * shape.page_size * hkv2_blk * shape.head_dim * isz
     steps = head_blocks * nq
     qo_bytes = 2 * steps * bq * hq_blk * shape.head_dim * isz  # q block in, o block out per step
+    d = shape.head_dim
+    group = shape.q_heads // shape.kv_heads
     cost = KernelCost(
         useful_flops=paged_useful_flops(shape),
-        mxu_flops=4 * bq * hq_blk * kv_per_blk * shape.head_dim * kv_block_visits,
+        mxu_flops=4 * bq * hq_blk * kv_per_blk * d * kv_block_visits,
         hbm_bytes=dma_bytes + qo_bytes,
         min_hbm_bytes=paged_min_bytes(shape),
         grid_steps=steps,
+        # double-buffered q and o blocks, the two KV slots, f32 l/m (128 lanes) and accumulator
+        vmem_bytes=(4 * bq * hq_blk * d * isz + 2 * pages_blk * shape.page_size * hkv2_blk * d * isz
+                    + 2 * (hkv2_blk // 2) * bq * group * 128 * 4 + bq * hq_blk * d * 4),
     )
     notes = ["closed form only: does not run in TPU interpret mode (jax 0.10.2)"]
     if shape.window is not None:
@@ -349,12 +376,12 @@ def _rpa_inputs(shape):
     return kv_lens, page_indices, cu_q, n * pps
 
 
-def rpa_compile_args(shape):
+def rpa_compile_args(shape, pages_per_block=None):
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rk
 
     dt = _jnp_dtype(shape.dtype)
-    _, _, pages_blk, bq = rpa_blocks(shape)
+    _, _, pages_blk, bq = rpa_blocks(shape, pages_per_block)
     n = len(shape.seqs)
     total_pages = n * shape.pages_per_seq
 
@@ -372,15 +399,132 @@ def rpa_compile_args(shape):
     ]
 
 
-def rpa_call(shape):
+def rpa_call(shape, pages_per_block=None):
     """(fn, args) on random data; runs in plain interpret mode only (see module docstring)."""
     import jax
     import jax.numpy as jnp
 
-    fn, avals = rpa_compile_args(shape)
+    fn, avals = rpa_compile_args(shape, pages_per_block)
     kv_lens, page_indices, cu_q, total_pages = _rpa_inputs(shape)
     key = jax.random.key(2)
     q = jax.random.normal(key, avals[0][0], jnp.float32).astype(avals[0][1])
     kv = jax.random.normal(jax.random.fold_in(key, 1), avals[1][0], jnp.float32).astype(avals[1][1])
     return fn, (q, kv, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q),
                 jnp.asarray([len(shape.seqs)], jnp.int32))
+
+
+# -------------------------------------------------------------------------------------------------
+# Splash attention (jax.experimental.pallas.ops.tpu.splash_attention)
+# -------------------------------------------------------------------------------------------------
+
+SPLASH_BLOCK = 512  # block_q = block_kv = block_kv_compute (MaxText's default for splash)
+
+
+def _splash_modules():
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    return sk, sm
+
+
+def splash_kernel(shape, block: int = SPLASH_BLOCK):
+    """Splash MHA (GQA through its head mapping) with a causal or local (sliding-window) mask."""
+    sk, sm = _splash_modules()
+    S = shape.seq
+    b = min(block, S)
+    if shape.window is not None:
+        head_mask = sm.LocalMask((S, S), window_size=(shape.window - 1, 0), offset=0)
+    elif shape.causal:
+        head_mask = sm.CausalMask((S, S))
+    else:
+        head_mask = sm.FullMask((S, S))
+    mask = sm.MultiHeadMask([head_mask] * shape.q_heads)
+    bs = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b)
+    return sk.make_splash_mha(mask, block_sizes=bs, head_shards=1, q_seq_shards=1,
+                              attn_logits_soft_cap=shape.softcap)
+
+
+def splash_cost(shape, block: int = SPLASH_BLOCK):
+    """Splash forward from its own mask info: grid (q heads, q blocks, compressed kv width); K/V
+    index maps follow data_next (a masked-out block re-points at the next live block: no copy)."""
+    kernel = splash_kernel(shape, block)
+    mi = kernel.fwd_mask_info
+    data_next = np.asarray(mi.data_next)
+    block_mask = np.asarray(mi.block_mask)
+    H, S, d = shape.q_heads, shape.seq, shape.head_dim
+    G = H // shape.kv_heads
+    b = min(block, S)
+    isz = itemsize(shape.dtype)
+    nq, width = data_next.shape[1], data_next.shape[2]
+    per_head = data_next.shape[0] != 1
+
+    def hm(h):
+        return h if per_head else np.zeros_like(h)
+
+    def kv_map(h, i, j):
+        return (h // G, data_next[hm(h), i, j])
+
+    ops = [
+        Operand("q", b * d * isz, lambda h, i, j: (h, i)),
+        Operand("k", b * d * isz, kv_map),
+        Operand("v", b * d * isz, kv_map),
+        # m, l and the f32 accumulator are outputs with a constant block: written once at the end
+        Operand("m", b * 128 * 4, lambda h, i, j: (0 * h,), is_output=True),
+        Operand("l", b * 128 * 4, lambda h, i, j: (0 * h,), is_output=True),
+        Operand("acc", b * d * 4, lambda h, i, j: (0 * h,), is_output=True),
+        Operand("o", b * d * isz, lambda h, i, j: (h, i), is_output=True),
+    ]
+    if mi.partial_mask_blocks is not None:
+        mask_next = np.asarray(mi.mask_next)
+        pmb = np.asarray(mi.partial_mask_blocks)
+        ops.append(Operand("mask", b * b * pmb.dtype.itemsize,
+                           lambda h, i, j: (mask_next[hm(h), i, j],)))
+    if mi.q_sequence is not None:
+        ops.append(Operand("q_sequence", b * 128 * 4, lambda h, i, j: (i + 0 * h,)))
+    grid = (H, nq, width)
+    p = pipeline_bytes(grid, ops)
+    live = int((block_mask != 0).sum()) * (1 if per_head else H)
+    notes = []
+    cost = KernelCost(
+        useful_flops=attention_useful_flops(shape),
+        mxu_flops=4 * b * b * d * live,
+        hbm_bytes=p["read"] + p["write"],
+        min_hbm_bytes=attention_min_bytes(shape),
+        grid_steps=p["steps"],
+        vmem_bytes=2 * (2 * b + 2 * b) * d * isz + 2 * (2 * b * 128 * 4 + b * d * 4),
+    )
+    return cost, {"block": b, "kv_width": width, "notes": notes}
+
+
+def splash_call(shape, block: int = SPLASH_BLOCK):
+    import jax
+    import jax.numpy as jnp
+
+    kernel = splash_kernel(shape, block)
+    dt = _jnp_dtype(shape.dtype)
+    key = jax.random.key(3)
+    q = jax.random.normal(key, (shape.q_heads, shape.seq, shape.head_dim), jnp.float32).astype(dt)
+    k, v = (jax.random.normal(jax.random.fold_in(key, i), (shape.kv_heads, shape.seq,
+                                                            shape.head_dim), jnp.float32).astype(dt)
+            for i in (1, 2))
+    scale = shape.head_dim ** -0.5
+
+    def fn(q, k, v):
+        return kernel(q * scale, k, v)
+
+    return fn, (q, k, v)
+
+
+def splash_compile_args(shape, block: int = SPLASH_BLOCK):
+    import jax.numpy as jnp
+
+    kernel = splash_kernel(shape, block)
+    dt = _jnp_dtype(shape.dtype)
+    scale = shape.head_dim ** -0.5
+
+    def fn(q, k, v):
+        return kernel(q * scale, k, v)
+
+    return fn, [((shape.q_heads, shape.seq, shape.head_dim), dt),
+                ((shape.kv_heads, shape.seq, shape.head_dim), dt),
+                ((shape.kv_heads, shape.seq, shape.head_dim), dt)]

@@ -18,8 +18,10 @@ Grid order: the interpreter walks "parallel" grid dimensions in a random permuta
 megacore assumptions). That changes which consecutive steps share a block, so by default the
 counter makes it walk them in order, as one TensorCore does (`natural_order=True`).
 
-What is not counted: scalar-prefetch operands (the interpreter places them in SMEM directly), the
-final read of outputs by the caller, and loads/stores inside the kernel body (VMEM/SMEM only).
+Scalar-prefetch operands (work lists, page tables) are placed in SMEM by the interpreter without a
+copy; they are counted separately (`prefetch_bytes`, once per kernel launch, `calls`) and not
+included in `hbm_bytes`. Not counted: the final read of outputs by the caller, and loads/stores
+inside the kernel body (VMEM/SMEM only).
 Edge blocks are counted at their full block size: the interpreter pads every array to whole
 blocks and copies whole blocks.
 
@@ -39,6 +41,7 @@ import functools
 import threading
 
 import jax
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 
@@ -62,6 +65,8 @@ class Traffic:
     # (source space, destination space) -> [count, bytes] for manual DMAs
     dmas: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
     grid_steps: int = 0
+    calls: int = 0  # kernel launches (pallas_calls executed)
+    prefetch_bytes: int = 0  # scalar-prefetch operands, summed over launches
     # operand name (as the interpreter names it) -> [copies, bytes] for BlockSpec copies
     by_operand: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
 
@@ -107,6 +112,8 @@ class Traffic:
             "dma_count": self.dma_count,
             "dma_bytes": self.dma_bytes,
             "grid_steps": self.grid_steps,
+            "calls": self.calls,
+            "prefetch_bytes": self.prefetch_bytes,
         }
 
     # -- called by the wrappers below ------------------------------------------------------------
@@ -130,6 +137,7 @@ def _each_active(fn):
 
 _orig_execute_read = _ipc.DMA.execute_read
 _orig_get = _ipc.get
+_orig_interpret_pallas_call = _ipc.interpret_pallas_call
 _orig_store = _ipc.store
 
 
@@ -180,6 +188,24 @@ def _store(*args, **kwargs):
     return result
 
 
+def _count_launch(nbytes):
+    def add(t):
+        t.calls += 1
+        t.prefetch_bytes += nbytes
+
+    _each_active(add)
+
+
+def _interpret_pallas_call(*args, **kwargs):
+    # Trace time: the scalar-prefetch operands' sizes are static; a callback counts each launch.
+    from jax.experimental import io_callback
+
+    n = kwargs["grid_mapping"].num_index_operands
+    nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in args[:n])
+    io_callback(functools.partial(_count_launch, nbytes), None, ordered=True)
+    return _orig_interpret_pallas_call(*args, **kwargs)
+
+
 # DMA.execute_read calls `get.__wrapped__` / `store.__wrapped__` (the functions without the
 # exception guard): keep those pointing at the originals' inner functions so DMAs behave as before.
 _get.__wrapped__ = _orig_get.__wrapped__
@@ -192,6 +218,7 @@ def _install():
     _ipc.DMA.execute_read = _execute_read
     _ipc.get = _get
     _ipc.store = _store
+    _ipc.interpret_pallas_call = _interpret_pallas_call
     _ipc._ptk_traffic_counter_installed = True
 
 

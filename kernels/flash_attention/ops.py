@@ -1,1 +1,224 @@
-"""TODO(flash_attention): ops."""
+"""Torch ops for flash attention in the flash-attn 2 calling convention, with autograd.
+
+Two custom ops carry everything: `flash_attention_fwd` -> (out, softmax_lse) and
+`flash_attention_bwd` -> (dq, dk, dv, dsinks). Dense tensors are [B, S, H, D]; varlen tensors are
+packed [T, H, D] with cu_seqlens. Inputs are validated here, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .jax_bridge import jax_op, pallas_interpret
+from . import kernel
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+# -------------------------------------------------------------------------------------------------
+# The ops (JAX bodies)
+# -------------------------------------------------------------------------------------------------
+
+
+def _fwd_jax(q: jax.Array, k: jax.Array, v: jax.Array, sinks: Optional[jax.Array],
+             cu_seqlens_q: Optional[jax.Array], cu_seqlens_k: Optional[jax.Array],
+             causal: bool, window_left: int, window_right: int, softcap: float,
+             softmax_scale: float) -> tuple[jax.Array, jax.Array]:
+    varlen = cu_seqlens_q is not None
+    if not varlen:  # [B, S, H, D] -> the kernel's [B, H, S, D]
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    o, lse = kernel.flash_attention_fwd(
+        q, k, v, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        softmax_scale=softmax_scale, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, interpret=pallas_interpret())
+    if varlen:
+        return o, lse[0]
+    return jnp.swapaxes(o, 1, 2), lse
+
+
+def _bwd_jax(do: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array,
+             lse: jax.Array, sinks: Optional[jax.Array], cu_seqlens_q: Optional[jax.Array],
+             cu_seqlens_k: Optional[jax.Array], causal: bool, window_left: int,
+             window_right: int, softcap: float, softmax_scale: float
+             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        lse = lse[None]
+    else:
+        q, k, v, o, do = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, o, do))
+    dq, dk, dv, dsinks = kernel.flash_attention_bwd(
+        q, k, v, o, lse, do, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, softmax_scale=softmax_scale, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, interpret=pallas_interpret())
+    if not varlen:
+        dq, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq, dk, dv))
+    if dsinks is None:
+        dsinks = jnp.zeros((q.shape[-2] if varlen else q.shape[1],), jnp.float32)
+    return dq, dk, dv, dsinks
+
+
+def _fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right,
+              softcap, softmax_scale):
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+def _bwd_fake(do, q, k, v, o, lse, sinks, cu_seqlens_q, cu_seqlens_k, causal, window_left,
+              window_right, softcap, softmax_scale):
+    hq = q.shape[-2]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((hq,), dtype=torch.float32))
+
+
+fwd_op = jax_op(add_op_namespace_prefix("flash_attention_fwd"), _fwd_jax, fake=_fwd_fake)
+bwd_op = jax_op(add_op_namespace_prefix("flash_attention_bwd"), _bwd_jax, fake=_bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_q, cu_k, causal, wl, wr, softcap, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_q, cu_k)
+    ctx.config = (causal, wl, wr, softcap, scale)
+    ctx.has_sinks = sinks is not None
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, sinks, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv, dsinks = bwd_op(do.contiguous(), q, k, v, o, lse, sinks, cu_q, cu_k, *ctx.config)
+    return (dq, dk, dv, dsinks.to(sinks.dtype) if ctx.has_sinks else None,
+            None, None, None, None, None, None, None)
+
+
+fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation (before any kernel runs)
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_tensors(q, k, v, ndim, layout):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: q has {d}, k has {k.shape[-1]}")
+    if d % 8 or d > MAX_HEAD_DIM or d == 0:
+        raise ValueError(f"head dim must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {d}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+
+
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale, s_aux, hq):
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: attention dropout is not implemented in the TPU kernel; pass 0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes are not supported by flash-attention-tpu")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    softcap = float(softcap or 0.0)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if softmax_scale is not None and not float(softmax_scale) > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    if s_aux is not None:
+        if not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (hq,):
+            raise ValueError(f"s_aux (attention sinks) must be a tensor of shape ({hq},), got "
+                             f"{getattr(s_aux, 'shape', type(s_aux))}")
+        if not s_aux.is_floating_point():
+            raise TypeError(f"s_aux must be floating point, got {s_aux.dtype}")
+    return left, right, softcap
+
+
+def _check_cu_seqlens(name, cu, total, n_seq=None):
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D tensor [num_seqs + 1], got "
+                         f"{getattr(cu, 'shape', type(cu))}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
+    if n_seq is not None and cu.numel() != n_seq:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{n_seq} and {cu.numel()}")
+    if torch.compiler.is_compiling():  # values are data-dependent inside a compiled graph
+        return
+    c = cu.detach().cpu()
+    if int(c[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(c[0])}")
+    if bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {c.tolist()}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
+
+
+def _scale(softmax_scale, d):
+    return float(softmax_scale) if softmax_scale is not None else d ** -0.5
+
+
+# -------------------------------------------------------------------------------------------------
+# Public functions (flash-attn 2 convention)
+# -------------------------------------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, s_aux=None):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D] (and softmax_lse [B, Hq, Sq],
+    None with return_attn_probs). Causal is bottom-right aligned; `window_size` = (left, right);
+    `s_aux` are per-head attention-sink logits [Hq]. Backward computes dq, dk, dv (and ds_aux)."""
+    _check_tensors(q, k, v, 4, "[batch, seqlen, heads, head_dim]")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    left, right, softcap = _check_options(dropout_p, window_size, softcap, alibi_slopes,
+                                          softmax_scale, s_aux, q.shape[2])
+    out, lse = fwd_op(q, k, v, s_aux, None, None, bool(causal), left, right, softcap,
+                      _scale(softmax_scale, q.shape[-1]))
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           s_aux=None):
+    """Packed q [Tq, Hq, D], k/v [Tk, Hkv, D] with cu_seqlens_q/k [num_seqs + 1] -> out [Tq, Hq, D]
+    (and softmax_lse [Hq, Tq], None with return_attn_probs). Sequences never see each other; causal
+    is bottom-right aligned per sequence. max_seqlen_* are accepted for compatibility."""
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV) is not supported here; use paged-attention-tpu")
+    _check_tensors(q, k, v, 3, "[total_tokens, heads, head_dim]")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], n_seq=cu_seqlens_q.numel())
+    left, right, softcap = _check_options(dropout_p, window_size, softcap, alibi_slopes,
+                                          softmax_scale, s_aux, q.shape[1])
+    # JAX runs without 64-bit integers.
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+    out, lse = fwd_op(q, k, v, s_aux, cu_q, cu_k, bool(causal), left, right, softcap,
+                      _scale(softmax_scale, q.shape[-1]))
+    return (out, lse, None) if return_attn_probs else out

@@ -178,12 +178,19 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
                   causal=False, window_size=(-1, -1), has_sinks=False, segments=False,
                   cu_seqlens_q: Optional[Sequence[int]] = None,
                   cu_seqlens_k: Optional[Sequence[int]] = None,
-                  tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd") -> KernelCost:
+                  tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd",
+                  count_scalar_prefetch: bool = True) -> KernelCost:
     """What the Pallas calls of one forward (`pass_="fwd"`) or backward (`"bwd"`: dk/dv and dq
     kernels) move and compute. Counts the kernels only: the layout transposes/pads around them and
     the backward's di = rowsum(do * o) prologue are XLA ops outside. For varlen give cu_seqlens
     (q_len/kv_len are then the packed totals, batch 1); the list is then sized by its static bound
-    and padding items (no compute, no copy) are counted as grid steps."""
+    and padding items (no compute, no copy) are counted as grid steps.
+
+    hbm_bytes = every BlockSpec copy in (one per change of a block index along the grid, as the
+    Pallas pipeline does) + every output block written once + (with count_scalar_prefetch) the
+    work list and sequence table copied to SMEM. TPU interpret mode moves exactly the BlockSpec
+    part (checked in tests); it does not route the scalar prefetch through its copy path, and it
+    reads each whole output array once before the grid starts, which hardware does not."""
     from .kernel import Band, build_work_list, max_work_items  # lazy: kernel imports tiling
 
     if tiles is None:
@@ -221,7 +228,9 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             it = np.concatenate([it, np.repeat(it[:, -1:], pad, axis=1) * np.array([[1], [1], [1], [0]])], axis=1)
         return it
 
-    smem = lambda it: it.size * 4 + 5 * n_seq * 4  # noqa: E731  (scalar-prefetched list + table)
+    def smem(it):  # the scalar-prefetched work list and sequence table
+        return (it.size * 4 + 5 * n_seq * 4) if count_scalar_prefetch else 0
+
     stat = _r(G, 1) * 4  # one f32 per row per head, lane-major [G, block]
 
     if pass_ == "fwd":
@@ -237,7 +246,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         if segments:
             hbm += _fetches(qi, 0, False, Hkv, B) * bq * NUM_LANES * 4
             hbm += _fetches(ki, 0, False, Hkv, B) * NUM_SUBLANES * bk * 4
-        hbm += smem(it) + (num_q_heads * 4 if has_sinks else 0)
+        hbm += smem(it) + (num_q_heads * 4 if has_sinks else 0)  # sinks: a whole-array SMEM copy
         # Issued MXU work: per valid item, the compute slices the band leaves non-empty.
         valid = (fl & 1) != 0
         ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
@@ -277,8 +286,11 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         else:
             hbm += n_q * G * bq * D * isz  # dq
         if segments:
-            hbm += _fetches(qi, 0, False, Hkv, B) * bq * NUM_LANES * 4
-            hbm += _fetches(ki, 0, False, Hkv, B) * NUM_SUBLANES * bk * 4
+            # dq pass: q ids as columns [bq, 128], kv ids as rows [8, bk]; dk/dv pass: transposed.
+            q_seg, k_seg = ((NUM_SUBLANES * bq, bk * NUM_LANES) if kv_major
+                            else (bq * NUM_LANES, NUM_SUBLANES * bk))
+            hbm += _fetches(qi, 0, False, Hkv, B) * q_seg * 4
+            hbm += _fetches(ki, 0, False, Hkv, B) * k_seg * 4
         hbm += smem(it)
         n_valid = int(((fl & 1) != 0).sum())
         mxu += B * Hkv * n_valid * (4 if kv_major else 3) * (2 * G * bq * bk * dp)

@@ -1,1 +1,13 @@
-"""TODO(paged_attention): __init__."""
+"""paged-attention-tpu: ragged paged attention Pallas TPU kernel for serving (decode, chunked
+prefill and mixed batches) with the KV-cache write, flash-attn compatible wrappers and a
+Transformers continuous-batching attention function.
+
+Layout, schedule and limits: kernel.py (module docstring) and ops.py.
+"""
+
+from . import kernel, reference, tiling, ops, integration
+from .ops import flash_attn_varlen_func, flash_attn_with_kvcache, ragged_paged_attention
+from .integration import ATTN_IMPLEMENTATION, HUB_ATTN_IMPLEMENTATION, attention_forward, register
+
+# Exactly build.toml's exports; the submodules and `attention_forward` stay reachable as attributes.
+__all__ = ["ragged_paged_attention", "flash_attn_with_kvcache", "flash_attn_varlen_func", "register"]

@@ -1,1 +1,99 @@
-"""TODO(paged_attention): integration."""
+"""Transformers glue: an attention function for continuous batching (`generate_batch`) and plain
+forward passes, registered by `register()`.
+
+What Transformers 5.22.2 gives an attention function during continuous batching on CPU/TPU: all
+sequences packed into batch 1, `cu_seq_lens_q/k`, and a `PagedAttentionCache` whose `update()`
+writes the new K/V into its own paged tensors and hands back K/V gathered per sequence through
+`read_index` (packed, [1, Hkv, Tk, D]). The block-table path (`block_table`, `k_cache`, `v_cache`
+kwargs, calling `flash_attn_with_kvcache` on the cache pages) is switched on only for flash
+attention on CUDA or XPU (`initialization.ensure_decode_fast_path_is_available`), so on TPU and
+CPU the kernel cannot be handed the page table. `attention_forward` therefore runs both cases:
+
+- block_table present (decode fast path, if Transformers ever enables it for this device):
+  `flash_attn_with_kvcache` directly on Transformers' cache pages and block table;
+- otherwise: the packed K/V through `flash_attn_varlen_func` (the paged kernel over K/V scattered
+  into 16-token pages: one extra copy of the gathered K/V per layer).
+
+Continuous batching (`generate_batch`) only accepts attention names containing "flash", and
+Transformers resolves those to flash-attn packages or Hub kernel repos, never to a locally
+registered function. So generate_batch runs this kernel through the Hub-kernel path:
+`model.set_attn_implementation(HUB_ATTN_IMPLEMENTATION)` (the repo id with ":flash_attn_varlen_func",
+which puts "flash" in the name; LOCAL_KERNELS can map the repo id to a local build). Transformers
+then calls our `flash_attn_varlen_func` with the gathered K/V (and would call our
+`flash_attn_with_kvcache` with its page table where it enables the block-table path). `register()`
+covers plain forward / `generate` under ATTN_IMPLEMENTATION.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+# The name `register()` uses for plain forward / generate. Continuous batching accepts only
+# "paged|eager", "sdpa" or names containing "flash", and Transformers resolves every "flash" name
+# to a flash-attn package or a Hub kernel repo, so generate_batch loads this package as a Hub
+# kernel instead: HUB_ATTN_IMPLEMENTATION (see README of the kernel card / module docstring).
+ATTN_IMPLEMENTATION = "paged_attention_tpu"
+HUB_ATTN_IMPLEMENTATION = "pallas-tpu-kernels/paged-attention-tpu:flash_attn_varlen_func"
+
+
+def attention_forward(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, is_causal=None, cache=None, **kwargs):
+    """Transformers attention function: query [B, H, Sq, D], key/value [B, Hkv, Sk, D] ->
+    (out [B, Sq, H, D], None)."""
+    if dropout:
+        raise ValueError("paged attention TPU: dropout is not supported (inference kernel)")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    cap = softcap or 0.0
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  kwargs=kwargs)
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    block_table = kwargs.get("block_table")
+    if block_table is not None and kwargs.get("k_cache") is not None:
+        cu_k = kwargs["cu_seq_lens_k"]
+        n = block_table.shape[0]
+        qd = q.reshape(-1, 1, *q.shape[-2:])[:n]
+        kd = k.reshape(-1, 1, *k.shape[-2:])[:n]
+        vd = v.reshape(-1, 1, *v.shape[-2:])[:n]
+        out = ops.flash_attn_with_kvcache(
+            qd, kwargs["k_cache"], kwargs["v_cache"], kd, vd,
+            cache_seqlens=(cu_k[1:n + 1] - cu_k[:n] - 1), block_table=block_table,
+            softmax_scale=scaling, causal=is_causal, window_size=window, softcap=cap)
+        return out.reshape(q.shape[0], -1, *out.shape[-2:]), None
+    if "cu_seq_lens_q" in kwargs and kwargs.get("cu_seq_lens_q") is not None:
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            cu_k = next(iter(cu_k.values()))
+    else:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("paged attention TPU: padded batches need continuous batching "
+                             "(generate_batch) or unpadded inputs")
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
+        cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
+    out = ops.flash_attn_varlen_func(
+        q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]).contiguous(),
+        v.reshape(-1, *v.shape[-2:]).contiguous(), cu_q, cu_k, softmax_scale=scaling,
+        causal=is_causal, window_size=window, softcap=cap)
+    return out.reshape(q.shape[0], -1, *out.shape[-2:]), None
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register `attention_forward` (and the flash-attention mask) under `name` in Transformers'
+    attention interfaces; `model.set_attn_implementation(name)` then runs forward / `generate`
+    through the paged kernel (unpadded batches). For `generate_batch` use HUB_ATTN_IMPLEMENTATION
+    (module docstring). Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return name
+
+
+__all__ = ["register", "attention_forward", "ATTN_IMPLEMENTATION", "HUB_ATTN_IMPLEMENTATION"]

@@ -1,1 +1,511 @@
-"""TODO(paged_attention): ops."""
+"""Torch ops of the paged attention kernel: ragged_paged_attention, flash_attn_with_kvcache,
+flash_attn_varlen_func.
+
+Every public function validates its inputs on the host (shapes, dtypes, index ranges: one
+device-to-host copy of the small index tensors) before any kernel runs, so bad input raises a
+ValueError/TypeError instead of reading out of bounds. `validate=False` skips the data checks
+(shape checks stay), e.g. under torch.compile or when the caller guarantees the tables.
+
+KV-cache writes. The bridge's ops never mutate their inputs, so the new tokens' K/V are written
+into the torch cache tensor in place by the torch function itself (`index_put_` on exactly the new
+tokens' slots, before the attention op reads the cache); the attention op only reads the cache.
+On TPU that write is one torch scatter of T x 2*Hkv x D elements. (JAX callers use
+`kernel.write_kv`, a scatter that XLA performs in place on a donated cache.)
+
+Cache layouts. `ragged_paged_attention` uses the kernel's native head-major cache
+[num_pages, 2 * kv_heads, page_size, head_dim] (K of head h at index 2h, V at 2h+1).
+`flash_attn_with_kvcache` takes flash-attn's token-major caches [num_blocks, block_size, kv_heads,
+head_dim] and gives the kernel a head-major copy of both caches on every call (one full read and
+write of the caches: fine on CPU and for tests, costly for serving; serve with the native layout).
+`flash_attn_varlen_func` scatters the packed K/V into 16-token pages on every call (one copy of K/V).
+No autograd: these are inference kernels (backward raises).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import kernel
+from ._ops import add_op_namespace_prefix
+from .jax_bridge import jax_op, pallas_interpret
+
+VARLEN_PAGE_SIZE = 16
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# -------------------------------------------------------------------------------------------------
+# JAX op bodies
+# -------------------------------------------------------------------------------------------------
+
+
+def _rpa_jax(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    v_cache: Optional[jax.Array] = None,
+    softmax_scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    causal: bool = True,
+) -> jax.Array:
+    return kernel.ragged_paged_attention(
+        q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_pages=v_cache,
+        sm_scale=softmax_scale, sliding_window=sliding_window, soft_cap=softcap, causal=causal,
+        interpret=pallas_interpret())
+
+
+def _rpa_fake(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_cache=None,
+              softmax_scale=None, sliding_window=None, softcap=None, causal=True):
+    return torch.empty_like(q)
+
+
+rpa_op = jax_op(add_op_namespace_prefix("ragged_paged_attention"), _rpa_jax, fake=_rpa_fake)
+
+
+def _varlen_jax(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    softmax_scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    causal: bool = False,
+    page_size: int = VARLEN_PAGE_SIZE,
+) -> jax.Array:
+    """Packed K/V -> head-major pages (sequence s's keys start on a fresh page), then the kernel."""
+    tk, hkv, d = k.shape
+    S = cu_seqlens_q.shape[0] - 1
+    kv_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    pages_of = (kv_lens + page_size - 1) // page_size
+    first_page = jnp.cumsum(pages_of) - pages_of
+    pages_per_seq = max(1, -(-tk // page_size))
+    num_pages = pages_per_seq + S
+    page_table = jnp.minimum(first_page[:, None] + jnp.arange(pages_per_seq)[None, :], num_pages - 1)
+    j = jnp.arange(tk)
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens_k, j, side="right") - 1, 0, S - 1)
+    r = j - cu_seqlens_k[seq]
+    page, row = first_page[seq] + r // page_size, r % page_size
+    kv = jnp.stack([k, v], axis=2).reshape(tk, 2 * hkv, d)
+    # Rows past cu_seqlens_k[-1] (padding) land after their sequence's keys or past the cache
+    # (dropped), never on a valid key.
+    cache = jnp.zeros((num_pages, 2 * hkv, page_size, d), k.dtype).at[page, :, row, :].set(
+        kv, mode="drop")
+    return kernel.ragged_paged_attention(
+        q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+        cu_seqlens_q.astype(jnp.int32), jnp.full((1,), S, jnp.int32), sm_scale=softmax_scale,
+        sliding_window=sliding_window, soft_cap=softcap, causal=causal, interpret=pallas_interpret())
+
+
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, sliding_window=None,
+                 softcap=None, causal=False, page_size=VARLEN_PAGE_SIZE):
+    return torch.empty_like(q)
+
+
+varlen_op = jax_op(add_op_namespace_prefix("paged_varlen_attention"), _varlen_jax, fake=_varlen_fake)
+
+
+def _kvcache_jax(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_table: jax.Array,
+    softmax_scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    causal: bool = False,
+) -> jax.Array:
+    """flash-attn layout: q [B, Sq, H, D], caches [nb, bs, Hkv, D] -> out [B, Sq, H, D]."""
+    b, sq, h, d = q.shape
+    kc = k_cache.transpose(0, 2, 1, 3)  # head-major copy (see module docstring)
+    vc = v_cache.transpose(0, 2, 1, 3)
+    cu = (jnp.arange(b + 1) * sq).astype(jnp.int32)
+    out = kernel.ragged_paged_attention(
+        q.reshape(b * sq, h, d), kc, kv_lens.astype(jnp.int32), block_table.astype(jnp.int32), cu,
+        jnp.full((1,), b, jnp.int32), v_pages=vc, sm_scale=softmax_scale,
+        sliding_window=sliding_window, soft_cap=softcap, causal=causal,
+        interpret=pallas_interpret())
+    return out.reshape(b, sq, h, d)
+
+
+def _kvcache_fake(q, k_cache, v_cache, kv_lens, block_table, softmax_scale=None,
+                  sliding_window=None, softcap=None, causal=False):
+    return torch.empty_like(q)
+
+
+kvcache_op = jax_op(add_op_namespace_prefix("paged_flash_attn_with_kvcache"), _kvcache_jax,
+                    fake=_kvcache_fake)
+
+
+def _no_backward(ctx, grad):
+    raise NotImplementedError("paged attention ops are inference-only: no backward pass")
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+for _op in (rpa_op, varlen_op, kvcache_op):
+    _op.register_autograd(_no_backward, setup_context=_setup_context)
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name, t, ndim=None, dtypes=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_options(softmax_scale, sliding_window, softcap):
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window: expected a positive int (keys p-w+1..p), got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap: expected a positive float or None, got {softcap!r}")
+
+
+def validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *, v_cache=None,
+                    new_kv=None, check_data=True):
+    """Raise ValueError/TypeError for anything the kernel could not run safely. Returns num_seqs
+    as an int (host), or None without check_data."""
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("kv_cache", kv_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("kv_lens", kv_lens, 1, _INT_DTYPES)
+    _check_tensor("page_table", page_table, 2, _INT_DTYPES)
+    _check_tensor("cu_q_lens", cu_q_lens, 1, _INT_DTYPES)
+    _check_tensor("num_seqs", num_seqs, None, _INT_DTYPES)
+    if num_seqs.numel() != 1:
+        raise ValueError(f"num_seqs: expected a 1-element int tensor, got shape {tuple(num_seqs.shape)}")
+    T, hq, d = q.shape
+    num_pages, c, page_size, dc = kv_cache.shape
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache: dtype {kv_cache.dtype} differs from q's {q.dtype}")
+    if dc != d:
+        raise ValueError(f"kv_cache: head_dim {dc} differs from q's head_dim {d}")
+    if v_cache is None:
+        if c % 2:
+            raise ValueError(f"kv_cache: dim 1 holds K and V of each KV head (2 * kv_heads), got {c}")
+        hkv = c // 2
+    else:
+        _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+        if v_cache.shape != kv_cache.shape or v_cache.dtype != kv_cache.dtype:
+            raise ValueError(f"v_cache: expected shape {tuple(kv_cache.shape)} and dtype "
+                             f"{kv_cache.dtype}, got {tuple(v_cache.shape)} {v_cache.dtype}")
+        hkv = c
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
+    if page_size % 8:
+        raise ValueError(f"kv_cache: page_size {page_size} must be a multiple of 8 (TPU sublane tile)")
+    S, P = page_table.shape
+    if kv_lens.shape[0] != S:
+        raise ValueError(f"kv_lens: expected {S} entries (page_table rows), got {kv_lens.shape[0]}")
+    if cu_q_lens.shape[0] != S + 1:
+        raise ValueError(f"cu_q_lens: expected {S + 1} entries (page_table rows + 1), got {cu_q_lens.shape[0]}")
+    if new_kv is not None:
+        _check_tensor("new_kv", new_kv, 3, _FLOAT_DTYPES)
+        if tuple(new_kv.shape) != (T, c, d) or v_cache is not None:
+            raise ValueError(f"new_kv: expected shape {(T, c, d)} (K/V interleaved like kv_cache) with "
+                             f"a combined cache, got {tuple(new_kv.shape)}")
+    if not check_data:
+        return None
+    n = int(num_seqs.reshape(-1)[0].item())
+    if not 0 <= n <= S:
+        raise ValueError(f"num_seqs: {n} is outside [0, {S}] (page_table rows)")
+    cu = cu_q_lens.detach().to("cpu", torch.int64)[: n + 1]
+    kl = kv_lens.detach().to("cpu", torch.int64)[:n]
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
+    ql = cu[1:] - cu[:-1]
+    if bool((ql < 0).any()):
+        bad = int(torch.nonzero(ql < 0)[0])
+        raise ValueError(f"cu_q_lens is not increasing at sequence {bad}: {cu.tolist()}")
+    if int(cu[-1]) > T:
+        raise ValueError(f"cu_q_lens[num_seqs] = {int(cu[-1])} exceeds the {T} query tokens of q")
+    if bool((kl < ql).any()):
+        bad = int(torch.nonzero(kl < ql)[0])
+        raise ValueError(f"sequence {bad}: {int(ql[bad])} query tokens but kv_lens = {int(kl[bad])} "
+                         "(kv_lens counts the new tokens too)")
+    if bool((kl > P * page_size).any()):
+        bad = int(torch.nonzero(kl > P * page_size)[0])
+        raise ValueError(f"sequence {bad}: kv_lens = {int(kl[bad])} exceeds the {P} pages x "
+                         f"{page_size} tokens its page_table row can address")
+    pt = page_table.detach().to("cpu", torch.int64)[:n]
+    used = torch.arange(P)[None, :] < ((kl + page_size - 1) // page_size)[:, None]
+    bad_entries = used & ((pt < 0) | (pt >= num_pages))
+    if bool(bad_entries.any()):
+        s, i = (int(x) for x in torch.nonzero(bad_entries)[0])
+        raise ValueError(f"page_table[{s}, {i}] = {int(pt[s, i])} is outside [0, {num_pages}) "
+                         "(cache pages)")
+    return n
+
+
+def _i32(t):
+    return t.to(torch.int32) if t.dtype != torch.int32 else t
+
+
+# -------------------------------------------------------------------------------------------------
+# Public torch functions
+# -------------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_seqs: torch.Tensor | int,
+    *,
+    new_kv: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Ragged paged attention over a batch of sequences (decode, prefill chunks, or both).
+
+    ragged_paged_attention(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *,
+                           new_kv=None, v_cache=None, softmax_scale=None, sliding_window=None,
+                           softcap=None, causal=True, validate=True) -> out
+
+    q          [T, Hq, D] float32/bfloat16/float16: the new tokens of all sequences, packed.
+    kv_cache   [num_pages, 2 * Hkv, page_size, D], same dtype as q: head-major pages, K of KV head
+               h at index 2h and its V at 2h+1. With `v_cache` given: K pages [num_pages, Hkv,
+               page_size, D] and V pages of the same shape.
+    kv_lens    [S] int32/int64: keys of each sequence, the new tokens included.
+    page_table [S, pages_per_seq] int32/int64: page i of sequence s is kv_cache[page_table[s, i]].
+    cu_q_lens  [S + 1]: sequence s owns q tokens cu_q_lens[s]:cu_q_lens[s+1]; they are the last
+               q_len of its kv_lens positions (causal masking aligned to the sequence's end).
+    num_seqs   [1] int tensor (or int): only the first num_seqs of the S slots are live, so one
+               compiled kernel serves batches of any size up to S.
+    new_kv     [T, 2 * Hkv, D] or None: K/V of the new tokens, written into kv_cache in place at
+               their positions before attention (only those slots change).
+    softmax_scale defaults to D ** -0.5; sliding_window w lets a query at position p see keys
+    p-w+1..p; softcap c maps scores to c * tanh(s / c).
+    Returns out [T, Hq, D] in q's dtype; rows of tokens beyond cu_q_lens[num_seqs] are zero.
+    """
+    if isinstance(num_seqs, int):
+        num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=kv_lens.device)
+    _check_options(softmax_scale, sliding_window, softcap)
+    n = validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_cache=v_cache,
+                        new_kv=new_kv, check_data=validate)
+    if new_kv is not None:
+        _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n)
+    return rpa_op(q, kv_cache, _i32(kv_lens), _i32(page_table), _i32(cu_q_lens),
+                  _i32(num_seqs.reshape(1)), v_cache,
+                  None if softmax_scale is None else float(softmax_scale), sliding_window,
+                  None if softcap is None else float(softcap), bool(causal))
+
+
+def _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n=None):
+    """kv_cache[page, :, row, :] = new_kv[t] for every new token t of a live sequence (in place)."""
+    if n is None:
+        n = int(num_seqs.reshape(-1)[0].item())
+    page_size = kv_cache.shape[2]
+    cu = cu_q_lens.to(torch.int64)[: n + 1]
+    ql = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(n, device=cu.device), ql)
+    t = torch.arange(int(cu[-1]) if n else 0, device=cu.device)
+    pos = kv_lens.to(torch.int64)[seq] - ql[seq] + (t - cu[seq])
+    page = page_table.to(torch.int64)[seq, pos // page_size]
+    row = pos % page_size
+    kv_cache[page.to(kv_cache.device), :, row.to(kv_cache.device), :] = new_kv[t.to(new_kv.device)]
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes=None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """flash-attn's `flash_attn_with_kvcache` on the paged kernel.
+
+    q [B, Sq, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] with `block_table`
+    [B, max_blocks] (paged), or [B, max_len, Hkv, D] without it. k/v [B, Sk_new, Hkv, D], if given,
+    are written into the caches in place at positions cache_seqlens[b]:cache_seqlens[b]+Sk_new;
+    attention then sees cache_seqlens + Sk_new keys, queries aligned to the end (causal is
+    bottom-right). window_size=(left, right): left >= 0 sees keys p-left..p (right must be 0 with
+    causal, -1 without window). softcap 0 means none. Returns out [B, Sq, H, D].
+    Not supported (raises): rotary embedding, cache_batch_idx, cache_leftpad, alibi, returning
+    the log-sum-exp.
+    """
+    for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                      ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                      ("alibi_slopes", alibi_slopes)):
+        if val is not None:
+            raise ValueError(f"flash_attn_with_kvcache: {name} is not supported by this kernel")
+    if return_softmax_lse:
+        raise ValueError("flash_attn_with_kvcache: return_softmax_lse=True is not supported")
+    _check_tensor("q", q, 4, _FLOAT_DTYPES)
+    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}")
+    B, sq, h, d = q.shape
+    nb, bs, hkv, dc = k_cache.shape
+    if block_table is None:
+        if nb != B:
+            raise ValueError(f"k_cache: without block_table, expected {B} rows (batch), got {nb}")
+        block_table = torch.arange(B, dtype=torch.int32, device=q.device)[:, None]
+    _check_tensor("block_table", block_table, 2, _INT_DTYPES)
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected {B} rows (batch), got {block_table.shape[0]}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required (the number of tokens already in each cache row)")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    _check_tensor("cache_seqlens", cache_seqlens, 1, _INT_DTYPES)
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"cache_seqlens: expected {B} entries, got {cache_seqlens.shape[0]}")
+    left, right = (int(x) for x in window_size)
+    if left >= 0 and not causal:
+        raise ValueError("window_size: a left window needs causal=True here")
+    if causal and right not in (0, -1):
+        raise ValueError(f"window_size: right={right} with causal=True is not supported (use 0 or -1)")
+    sliding_window = left + 1 if left >= 0 else None
+    softcap_ = float(softcap) if softcap and softcap > 0 else None
+    _check_options(softmax_scale, sliding_window, softcap_)
+    new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v: pass both or neither")
+    if k is not None:
+        _check_tensor("k", k, 4, _FLOAT_DTYPES)
+        if k.shape != v.shape or k.shape[0] != B or tuple(k.shape[2:]) != (hkv, dc):
+            raise ValueError(f"k/v: expected shape [{B}, new tokens, {hkv}, {dc}], got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        new = k.shape[1]
+    kv_lens = cache_seqlens.to(torch.int64) + new
+    cu = torch.arange(B + 1, dtype=torch.int64, device=q.device) * sq
+    ns = torch.tensor([B], dtype=torch.int32, device=q.device)
+    # Validate against the head-major view (same checks as the native layout).
+    validate_ragged(q.reshape(B * sq, h, d), k_cache.permute(0, 2, 1, 3), kv_lens, block_table,
+                    cu, ns, v_cache=v_cache.permute(0, 2, 1, 3))
+    if new:
+        cs = cache_seqlens.to(torch.int64)
+        pos = cs[:, None] + torch.arange(new, device=cs.device)[None, :]  # [B, new]
+        page = torch.gather(block_table.to(torch.int64), 1, pos // bs)
+        row = pos % bs
+        k_cache[page.reshape(-1), row.reshape(-1)] = k.reshape(B * new, hkv, dc).to(k_cache.dtype)
+        v_cache[page.reshape(-1), row.reshape(-1)] = v.reshape(B * new, hkv, dc).to(v_cache.dtype)
+    return kvcache_op(q, k_cache, v_cache, _i32(kv_lens), _i32(block_table),
+                      None if softmax_scale is None else float(softmax_scale), sliding_window,
+                      softcap_, bool(causal))
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table=None,
+    **kwargs,
+) -> torch.Tensor:
+    """flash-attn 2's `flash_attn_varlen_func` over packed q [Tq, H, D], k/v [Tk, Hkv, D] with
+    cu_seqlens_q/k [B+1]: each sequence's queries are the last of its keys (bottom-right causal
+    alignment). Runs the paged kernel on K/V scattered into 16-token pages. Returns [Tq, H, D].
+    dropout, alibi, block_table and attention probabilities are not supported (raise)."""
+    if dropout_p:
+        raise ValueError("flash_attn_varlen_func: dropout_p must be 0 (inference kernel)")
+    if alibi_slopes is not None or block_table is not None or return_attn_probs:
+        raise ValueError("flash_attn_varlen_func: alibi_slopes, block_table and "
+                         "return_attn_probs are not supported")
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("k", k, 3, _FLOAT_DTYPES)
+    _check_tensor("v", v, 3, _FLOAT_DTYPES)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, _INT_DTYPES)
+    _check_tensor("cu_seqlens_k", cu_seqlens_k, 1, _INT_DTYPES)
+    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k/v: expected equal shapes and q's dtype {q.dtype}, got "
+                         f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+    if k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: head_dim must match and "
+                         "query heads must be a multiple of KV heads")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k: expected the same number of sequences")
+    left, right = (int(x) for x in window_size)
+    if left >= 0 and not causal:
+        raise ValueError("window_size: a left window needs causal=True here")
+    sliding_window = left + 1 if left >= 0 else None
+    softcap_ = float(softcap) if softcap and softcap > 0 else None
+    _check_options(softmax_scale, sliding_window, softcap_)
+    cq = cu_seqlens_q.detach().to("cpu", torch.int64)
+    ck = cu_seqlens_k.detach().to("cpu", torch.int64)
+    for name, cu, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_k", ck, k.shape[0])):
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
+            raise ValueError(f"{name}: expected 0 = c[0] <= c[1] <= ... <= {total}, got {cu.tolist()}")
+    if bool(((cq[1:] - cq[:-1]) > (ck[1:] - ck[:-1])).any()):
+        raise ValueError("a sequence has more query tokens than keys (bottom-right alignment needs "
+                         "q_len <= k_len)")
+    # Shapes are static in the compiled kernel: pad tokens and sequence counts up to powers of two
+    # so that the changing batches of continuous batching reuse a few compiled programs. Padded
+    # sequences have no tokens; padded query rows come back as zeros and are cut off.
+    tq, tk, n = q.shape[0], k.shape[0], cu_seqlens_q.shape[0] - 1
+    tq_pad, tk_pad, n_pad = _bucket(tq, 16), _bucket(tk, 16), _bucket(n, 4)
+    q_p = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, tq_pad - tq))
+    k_p = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, tk_pad - tk))
+    v_p = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, tk_pad - tk))
+    cq_p = torch.nn.functional.pad(_i32(cu_seqlens_q), (0, n_pad - n), value=int(cq[-1]))
+    ck_p = torch.nn.functional.pad(_i32(cu_seqlens_k), (0, n_pad - n), value=int(ck[-1]))
+    out = varlen_op(q_p, k_p, v_p, cq_p, ck_p,
+                    None if softmax_scale is None else float(softmax_scale), sliding_window,
+                    softcap_, bool(causal), VARLEN_PAGE_SIZE)
+    return out[:tq]
+
+
+def _bucket(x: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, x - 1).bit_length())
+
+
+__all__ = ["ragged_paged_attention", "flash_attn_with_kvcache", "flash_attn_varlen_func",
+           "validate_ragged", "rpa_op", "varlen_op", "kvcache_op"]

@@ -9,7 +9,7 @@ Two tile sizes drive the kernel (see kernel.py for the schedule):
 - `pages_per_block`: KV pages fetched per work item (one DMA per page per cache array, all KV heads
   of the page at once).
 
-The budget model counts every VMEM buffer: the two KV slots (double buffering), the q and output
+The budget model (`vmem_need_bytes`, against `vmem_budget_bytes`) counts every VMEM buffer: the two KV slots (double buffering), the q and output
 blocks (double-buffered by the Pallas pipeline), the f32 accumulator and the softmax statistics,
 and the f32 score/probability temporaries of one head. The SMEM model counts the scalar-prefetched
 page table, sequence metadata and work list; a batch whose tables exceed the SMEM budget is
@@ -60,6 +60,41 @@ def row_align(group: int, sublanes: int = 16) -> int:
     return sublanes // math.gcd(sublanes, group)
 
 
+def row_tile(dtype) -> int:
+    """Rows of one VMEM (sublane) tile for `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit.
+    Partial pages are copied in multiples of this."""
+    return 8 * max(1, 4 // _itemsize(dtype))
+
+
+def partial_page_chunks(page_size: int, dtype) -> list[int]:
+    """Row counts (descending powers of two times the row tile, each < page_size) whose sums copy
+    any tile-rounded valid prefix of a page; empty when a page is a single tile."""
+    tile = row_tile(dtype)
+    sizes, size = [], tile
+    while size < page_size:
+        sizes.append(size)
+        size *= 2
+    # Binary decomposition: sizes sum to >= page_size - tile, so every tile-rounded prefix
+    # shorter than a page is a sum of distinct sizes.
+    if page_size % tile:
+        return []
+    return sizes[::-1]
+
+
+def page_copy_plan(kv_len: int, first_page: int, npages: int, page_size: int, dtype):
+    """(number of DMAs, rows copied) for one item's pages, exactly as kernel.fetch issues them."""
+    chunks = partial_page_chunks(page_size, dtype)
+    tile = row_tile(dtype)
+    last_rows = kv_len - (first_page + npages - 1) * page_size
+    rows_up = -(-last_rows // tile) * tile
+    if npages == 0:
+        return 0, 0
+    if chunks and rows_up < page_size:
+        parts = [c for c in chunks if (rows_up // c) % 2 == 1]
+        return npages - 1 + len(parts), (npages - 1) * page_size + rows_up
+    return npages, npages * page_size
+
+
 def narrow_rows(group: int, rows: int) -> int:
     """Rows of the narrow (decode) compute path; == rows means no narrow path."""
     return min(rows, _round_up(max(group, NARROW_ROWS), NARROW_ROWS))
@@ -86,38 +121,71 @@ def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_
     config = config or PagedAttentionConfig()
     group = num_q_heads // num_kv_heads
     align = row_align(group)
-    if config.block_q is not None:
-        block_q = config.block_q
-        if (block_q * group) % 8:
-            raise ValueError(f"config.block_q={block_q}: block_q * (q heads per KV head = {group}) "
-                             "must be a multiple of 8")
-    else:
-        # ~256 MXU rows per KV head in prefill (a full MXU pass on v6e/TPU7x, two on v5e), never more
-        # than the batch needs.
-        block_q = max(align, _round_up(max(1, 256 // group), align))
-        block_q = min(block_q, _round_up(max(num_tokens, 1), align))
-    budget = gen.scoped_vmem_default_bytes * 3 // 4
-    kw = dict(block_q=block_q, page_size=page_size, num_kv_heads=num_kv_heads, group=group,
-              head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
-    if config.pages_per_block is not None:
-        ppb = config.pages_per_block
-    else:
-        # ~512 KV tokens per item: DMAs of a few MiB amortise the ~0.35 us step cost; halve until the
-        # budget holds.
-        ppb = max(1, 512 // page_size)
-        while ppb > 1 and vmem_need_bytes(pages_per_block=ppb, **kw) > budget:
+    if config.block_q is not None and (config.block_q * group) % 8:
+        raise ValueError(f"config.block_q={config.block_q}: block_q * (q heads per KV head = "
+                         f"{group}) must be a multiple of 8")
+    budget = vmem_budget_bytes(gen)
+    kw = dict(page_size=page_size, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+              q_dtype=q_dtype, kv_dtype=kv_dtype)
+    max_tokens = _round_up(max(num_tokens, 1), align)
+
+    def q_blocks():
+        if config.block_q is not None:
+            return [config.block_q]
+        # Larger q blocks re-read a long prefill's KV fewer times (once per q block); decode items
+        # take the narrow path whatever the block. Largest first, never more than the batch.
+        return [min(max(align, _round_up(max(1, r // group), align)), max_tokens)
+                for r in (1024, 512, 256)]
+
+    def kv_blocks():
+        if config.pages_per_block is not None:
+            return [config.pages_per_block]
+        # ~512 KV tokens per item first: DMAs of a few MiB amortise the ~0.35 us step cost.
+        out, ppb = [], max(1, 512 // page_size)
+        while True:
+            out.append(ppb)
+            if ppb == 1:
+                return out
             ppb //= 2
+
+    # KV block size matters more than q block size (decode pays a step per KV block): try every
+    # q block at the largest KV block before shrinking the KV block.
+    choice = None
+    for ppb in kv_blocks():
+        for bq in q_blocks():
+            if vmem_need_bytes(block_q=bq, pages_per_block=ppb, **kw) <= budget:
+                choice = (bq, ppb)
+                break
+        if choice:
+            break
+    if choice is None:  # nothing fits: the smallest tiles (a user override is taken as given)
+        choice = (q_blocks()[-1], kv_blocks()[-1])
+    block_q, ppb = choice
     ppb = max(1, min(ppb, pages_per_seq))
     return PagedAttentionConfig(block_q=block_q, pages_per_block=ppb, max_items=config.max_items,
                                 vmem_limit_bytes=config.vmem_limit_bytes)
 
 
+def vmem_budget_bytes(gen: TpuGeneration) -> int:
+    """VMEM the default tiles may use: 3/4 of max(the default scoped limit, a quarter of physical
+    VMEM). The kernel asks Mosaic for vmem_limit_bytes(need) explicitly, so v5e's 16 MiB default
+    does not bind."""
+    return max(gen.scoped_vmem_default_bytes, gen.vmem_bytes // 4) * 3 // 4
+
+
 def max_items_bound(*, num_q_blocks: int, max_num_seqs: int, pages_per_seq: int,
-                    pages_per_block: int) -> int:
+                    pages_per_block: int, block_q: int | None = None, page_size: int | None = None,
+                    sliding_window: int | None = None) -> int:
     """A static bound on the work list: at most num_q_blocks + max_num_seqs - 1 (q block, sequence)
-    pairs (consecutive sequences share at most one block), each needing at most
-    ceil(pages_per_seq / pages_per_block) KV blocks (an empty q block gets one empty item)."""
-    return (num_q_blocks + max(max_num_seqs, 1) - 1) * max(1, -(-pages_per_seq // pages_per_block))
+    pairs (consecutive sequences share at most one block; an empty q block gets one empty item),
+    each needing at most ceil(pages_per_seq / pages_per_block) KV blocks, or with a sliding window
+    w at most ceil((ceil((w + block_q - 1) / page_size) + 1) / pages_per_block): the keys a block
+    of block_q consecutive queries can see span w + block_q - 1 positions."""
+    per_pair = max(1, -(-pages_per_seq // pages_per_block))
+    if sliding_window is not None and block_q is not None and page_size is not None:
+        pages = -(-(sliding_window + block_q - 1) // page_size) + 1
+        per_pair = min(per_pair, max(1, -(-pages // pages_per_block)))
+    return (num_q_blocks + max(max_num_seqs, 1) - 1) * per_pair
 
 
 def work_list_numpy(q_lens, kv_lens, *, block_q: int, num_q_blocks: int, page_size: int,
@@ -151,24 +219,21 @@ def work_list_numpy(q_lens, kv_lens, *, block_q: int, num_q_blocks: int, page_si
     return items
 
 
-def estimate_cost(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  page_size: int, pages_per_seq: int, max_num_seqs: int | None = None,
-                  num_tokens: int | None = None, q_dtype="bfloat16", kv_dtype="bfloat16",
-                  sliding_window: int | None = None, causal: bool = True,
-                  separate_kv: bool = False, generation: str | None = None,
-                  config: PagedAttentionConfig | None = None) -> KernelCost:
-    """What one call of `kernel.ragged_paged_attention` moves and computes for this batch.
+def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: int,
+            page_size: int, pages_per_seq: int, max_num_seqs: int | None = None,
+            num_tokens: int | None = None, q_dtype="bfloat16", kv_dtype="bfloat16",
+            sliding_window: int | None = None, causal: bool = True, separate_kv: bool = False,
+            generation: str | None = None, config: PagedAttentionConfig | None = None) -> dict:
+    """Everything one call of `kernel.ragged_paged_attention` moves and computes, itemised.
 
-    hbm_bytes = KV page DMAs (whole pages, each valid page of a work item once, all KV heads) +
-    q block and output block copies (each q block read once and written once: its items are
-    consecutive) + the scalar-prefetched tables (kv_lens, cu_q_lens, page table, work list,
-    num_items) copied to SMEM once. min_hbm_bytes = every KV token each query needs read once
-    (the union over the batch of the valid keys) + q read once + o written once + page table rows
-    used. Grid steps = the static work-list length (padding steps do no work but still cost a
-    step). MXU FLOPs count the rows and columns actually issued (narrow path or full q block x
-    every page slot of the KV buffer).
+    Arguments describe the batch as the kernel sees it: the live sequences' q_lens / kv_lens,
+    `max_num_seqs` page-table rows (default: the live count), `num_tokens` rows of q (default:
+    sum of q_lens). Keys: config, items (the work list), max_items, kv_dmas, kv_dma_bytes (manual
+    page DMAs), qo_block_bytes (q blocks read + output blocks written by the BlockSpec pipeline:
+    each q block once, as its items are consecutive), smem_bytes (scalar-prefetched tables),
+    mxu_flops, useful_flops, min_hbm_bytes, vmem_bytes.
     """
-    gen = get_generation(generation)
+    gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
     q_lens = [int(x) for x in q_lens]
     kv_lens = [int(x) for x in kv_lens]
     num_seqs = len(q_lens)
@@ -185,29 +250,31 @@ def estimate_cost(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_
     nr = narrow_rows(group, rows)
     items = work_list_numpy(q_lens, kv_lens, block_q=bq, num_q_blocks=nqb, page_size=page_size,
                             pages_per_block=ppb, sliding_window=sliding_window, causal=causal)
-    max_items = cfg.max_items or max_items_bound(num_q_blocks=nqb, max_num_seqs=max_num_seqs,
-                                                 pages_per_seq=pages_per_seq, pages_per_block=ppb)
+    max_items = cfg.max_items or max_items_bound(
+        num_q_blocks=nqb, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
+        pages_per_block=ppb, block_q=bq, page_size=page_size,
+        sliding_window=sliding_window if causal else None)
     kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
-    page_bytes = page_size * 2 * num_kv_heads * head_dim * kv_size  # K and V, all heads
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    kv_bytes = 0
     mxu = 0
     for (b, s, start, npages) in items:
         if npages == 0:
             continue
-        kv_bytes += npages * page_bytes
         r_lo = (max(cu[s], b * bq) - b * bq) * group
         r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
         issued_rows = nr if (nr < rows and r_lo // nr == (r_hi - 1) // nr) else rows
         mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
+    dmas, kv_rows = 0, 0
+    for (_, s, start, npages) in items:
+        if npages:
+            n, r = page_copy_plan(kv_lens[s], start, npages, page_size, kv_dtype)
+            dmas += n
+            kv_rows += r
+    row_bytes = 2 * num_kv_heads * head_dim * kv_size  # one token's K and V, all heads
     qo_block = num_kv_heads * rows * head_dim * q_size
-    smem_bytes = 4 * (num_seqs + (num_seqs + 1) + num_seqs * pages_per_seq + 4 * max_items + 1)
-    # Tables are padded to max_num_seqs by the caller in the same way as the kernel sees them.
     smem_bytes = 4 * (max_num_seqs + (max_num_seqs + 1) + max_num_seqs * pages_per_seq
                       + 4 * max_items + 1)
-    hbm = kv_bytes + 2 * nqb * qo_block + smem_bytes
 
-    # Minimum: each needed KV token once, q and o once, the used page table entries once.
     useful = 0
     min_kv_tokens = 0
     for s in range(num_seqs):
@@ -226,20 +293,35 @@ def estimate_cost(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_
             min_kv_tokens += kl
             useful += 4 * num_q_heads * head_dim * kl * ql
     min_bytes = (min_kv_tokens * 2 * num_kv_heads * head_dim * kv_size
-                 + 2 * num_tokens * num_q_heads * head_dim * q_size
+                 + 2 * sum(q_lens) * num_q_heads * head_dim * q_size
                  + 4 * sum(-(-k // page_size) for k in kv_lens))
     vmem = vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
                            num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                            q_dtype=q_dtype, kv_dtype=kv_dtype)
-    return KernelCost(useful_flops=int(useful), mxu_flops=int(mxu), hbm_bytes=int(hbm),
-                      min_hbm_bytes=int(min_bytes), grid_steps=int(max_items), vmem_bytes=int(vmem))
+    return dict(config=cfg, items=items, max_items=max_items,
+                kv_dmas=dmas * (2 if separate_kv else 1), kv_dma_bytes=kv_rows * row_bytes,
+                qo_block_bytes=2 * nqb * qo_block, smem_bytes=smem_bytes, mxu_flops=mxu,
+                useful_flops=useful, min_hbm_bytes=min_bytes, vmem_bytes=vmem)
 
 
-def num_kv_dmas(items, separate_kv: bool = False) -> int:
-    """Page DMAs the kernel issues for a work list (one per page, two with separate K/V caches)."""
-    return sum(n for (_, _, _, n) in items) * (2 if separate_kv else 1)
+def estimate_cost(**kwargs) -> KernelCost:
+    """Closed-form cost of one kernel call (arguments: see `traffic`).
+
+    hbm_bytes = KV page DMAs (every page a work item lists, once per item, all KV heads; a
+    sequence's partly filled last page only up to its valid rows rounded up to the sublane tile;
+    pages outside the causal range or the sliding window are never listed) + q/output block
+    copies + scalar-prefetched tables. min_hbm_bytes = the KV tokens some query can see, each read
+    once, + q read and o written once + one page-table entry per valid page. grid_steps = the
+    static work-list length (steps past the real list only test a condition). mxu_flops counts
+    the rows and columns issued (narrow decode path or the whole q block, times every page slot of
+    the KV buffer)."""
+    t = traffic(**kwargs)
+    return KernelCost(useful_flops=int(t["useful_flops"]), mxu_flops=int(t["mxu_flops"]),
+                      hbm_bytes=int(t["kv_dma_bytes"] + t["qo_block_bytes"] + t["smem_bytes"]),
+                      min_hbm_bytes=int(t["min_hbm_bytes"]), grid_steps=int(t["max_items"]),
+                      vmem_bytes=int(t["vmem_bytes"]))
 
 
 __all__ = ["PagedAttentionConfig", "choose_config", "estimate_cost", "max_items_bound",
-           "work_list_numpy", "vmem_need_bytes", "narrow_rows", "row_align", "num_kv_dmas",
+           "work_list_numpy", "traffic", "vmem_need_bytes", "vmem_budget_bytes", "narrow_rows", "row_align", "row_tile", "partial_page_chunks", "page_copy_plan",
            "GENERATIONS", "SMEM_BUDGET_BYTES"]

@@ -1,2 +1,12 @@
-"""ragged-dot-tpu: grouped matmul Pallas kernels for Mixture-of-Experts layers."""
-from . import kernel, reference, tiling
+"""ragged-dot-tpu: grouped matmul (ragged dot) Pallas TPU kernels for Mixture-of-Experts layers.
+
+Torch API: `ragged_dot`, `gmm` (forward, autograd: dlhs and tgmm), `tgmm`, and the Transformers
+experts function `experts_forward` with `register()`. The JAX kernels are in `kernel`, the f32
+references in `reference`, tile choice and the cost model in `tiling`.
+"""
+
+from . import kernel, reference, tiling, ops, integration
+from .integration import experts_forward, register
+from .ops import gmm, ragged_dot, tgmm
+
+__all__ = ["ragged_dot", "gmm", "tgmm", "experts_forward", "register"]

@@ -1,1 +1,120 @@
-"""TODO(ragged_dot): integration."""
+"""Transformers glue: an experts function running the Pallas grouped matmuls, and `register()`.
+
+`experts_forward(self, hidden_states, top_k_index, top_k_weights)` follows the conventions of the
+built-in `grouped_mm` experts function of transformers.integrations.moe: token-expert picks are
+sorted by expert, the gate/up projection runs as one grouped matmul, the module's own gating
+(`self._apply_gate`, which knows the concatenated or interleaved layout and the activation) or
+`self.act_fn` follows, then the down projection, the routing weights, and a per-token sum in the
+dtype of the routing weights, returned in the input dtype. Weights are used in the layout the model
+stores them ([E, 2I, H] / [E, H, I], or transposed with `is_transposed`) with no copy: the kernel
+reads either layout. Picks of id `num_experts` (expert-parallel placeholders) sort to the end,
+belong to no group, and contribute exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops as _ops
+
+__all__ = ["experts_forward", "register", "EXPERTS_NAMES"]
+
+EXPERTS_NAMES = ("tokamax_ragged_dot", "pallas_ragged_dot")
+
+
+def _weight(module, name: str) -> torch.Tensor:
+    w = getattr(module, name, None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(
+            f"ragged_dot experts_forward: {type(module).__name__} has no tensor attribute {name!r}; "
+            "supported experts store 3-D expert weights gate_up_proj (or up_proj without a gate) "
+            "and down_proj")
+    if w.dim() != 3:
+        raise ValueError(
+            f"ragged_dot experts_forward: {type(module).__name__}.{name} has shape "
+            f"{tuple(w.shape)}; expected a 3-D [num_experts, out, in] (or transposed) weight")
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"ragged_dot experts_forward: {type(module).__name__}.{name} has dtype {w.dtype}; "
+            "supported: bfloat16, float32 (quantised expert modules are not supported here; call "
+            "gmm with int8/float8 weights and scales directly)")
+    return w
+
+
+def _bias(module, name: str, rows: torch.Tensor, valid: torch.Tensor, like: torch.Tensor):
+    b = getattr(module, name, None)
+    if not isinstance(b, torch.Tensor):
+        raise ValueError(
+            f"ragged_dot experts_forward: {type(module).__name__} has has_bias=True but no tensor "
+            f"attribute {name!r}")
+    # Placeholder picks get no bias: their rows must stay exactly zero.
+    return torch.where(valid, like + b[rows].to(like.dtype), like)
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Transformers experts function (register with `register()`): [T, H] -> [T, H]."""
+    if hidden_states.dim() != 2:
+        raise ValueError(
+            f"hidden_states: expected [tokens, hidden], got shape {tuple(hidden_states.shape)}")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2 \
+            or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"top_k_index / top_k_weights: expected matching [tokens, top_k] shapes with "
+            f"{hidden_states.shape[0]} tokens, got {tuple(top_k_index.shape)} and "
+            f"{tuple(top_k_weights.shape)}")
+    has_gate = getattr(self, "has_gate", True)
+    has_bias = getattr(self, "has_bias", False)
+    is_transposed = getattr(self, "is_transposed", False)
+    num_experts = self.num_experts
+    up = _weight(self, "gate_up_proj" if has_gate else "up_proj")
+    down = _weight(self, "down_proj")
+    if up.shape[0] != num_experts or down.shape[0] != num_experts:
+        raise ValueError(
+            f"ragged_dot experts_forward: expert weights hold {up.shape[0]} / {down.shape[0]} "
+            f"experts, expected num_experts={num_experts}")
+
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    expert_ids = top_k_index.reshape(-1).to(torch.int64)
+    sample_weights = top_k_weights.reshape(-1)
+
+    # Sort picks by expert; placeholder ids (>= num_experts) sort to the end and belong to no
+    # group, so the kernel leaves their rows zero.
+    ids_sorted, perm = torch.sort(expert_ids, stable=True)
+    valid = (ids_sorted < num_experts).unsqueeze(-1)
+    rows_expert = ids_sorted.clamp(0, num_experts - 1)
+    group_sizes = torch.zeros(num_experts + 1, dtype=torch.int32, device=expert_ids.device)
+    group_sizes = group_sizes.scatter_add(
+        0, expert_ids.clamp(0, num_experts),
+        torch.ones_like(expert_ids, dtype=torch.int32))[:num_experts]
+
+    x = hidden_states[perm // top_k].to(up.dtype)
+    # Weights as stored: [E, out, in] is read transposed in-kernel; is_transposed gives [E, in, out].
+    h = _ops.gmm(x, up, group_sizes, transpose_rhs=not is_transposed)
+    if has_bias:
+        h = _bias(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", rows_expert, valid, h)
+    h = self._apply_gate(h) if has_gate else self.act_fn(h)
+    out = _ops.gmm(h.to(down.dtype), down, group_sizes, transpose_rhs=not is_transposed)
+    if has_bias:
+        out = _bias(self, "down_proj_bias", rows_expert, valid, out)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    weighted = out * sample_weights[perm].unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.shape[0], device=perm.device)
+    weighted = weighted[inv_perm]
+    return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def register(names=EXPERTS_NAMES) -> tuple[str, ...]:
+    """Register `experts_forward` in Transformers' ALL_EXPERTS_FUNCTIONS under each of `names`
+    ("tokamax_ragged_dot" and "pallas_ragged_dot" by default). Returns the names."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)
+    return names

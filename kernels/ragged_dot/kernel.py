@@ -58,12 +58,43 @@ def _row_mask(start, rows, lo, hi):
     return (r >= lo) & (r < hi)
 
 
+def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
+    """Run `window` over a computing item's rows: NFULL full chunks of `rc` rows in a loop, then
+    the tail in the smallest bucket that covers it. Each row is merged by exactly one window."""
+    start = _field(wl_ref, "START", j, L)
+    nfull = _field(wl_ref, "NFULL", j, L)
+    tstart = _field(wl_ref, "TSTART", j, L)
+    bucket = _field(wl_ref, "BUCKET", j, L)
+    compute = (flags & F_COMPUTE) != 0
+
+    @pl.when(compute & (nfull > 0))
+    def _full_chunks():
+        def body(i, carry):
+            window(start + i * rc, rc, lo)
+            return carry
+
+        jax.lax.fori_loop(0, nfull, body, 0)
+
+    tail_first = jnp.maximum(lo, start + nfull * rc)  # rows before it belong to the full chunks
+    for b_idx, rows in enumerate(buckets):
+        pl.when(compute & (bucket == b_idx))(functools.partial(window, tstart, rows, tail_first))
+
+
 # -------------------------------------------------------------------------------------------------
 # gmm
 # -------------------------------------------------------------------------------------------------
 
 
-def _gmm_kernel(wl_ref, lhs_ref, rhs_ref, *rest, L, kt, k_size, tk, buckets, unit,
+def _chunk(t: int) -> int:
+    """Compute chunk along a lane dimension: the MXU works on (rows, chunk) slices of a block in a
+    loop, so large DMA blocks do not unroll into huge kernels."""
+    for c in (256, 128):
+        if t % c == 0:
+            return c
+    return t
+
+
+def _gmm_kernel(wl_ref, lhs_ref, rhs_ref, *rest, L, kt, k_size, tk, tn, buckets, unit, rc,
                 transpose_rhs, quantised, compute_dtype):
     if quantised:
         scale_ref, out_ref, acc_ref = rest
@@ -73,48 +104,59 @@ def _gmm_kernel(wl_ref, lhs_ref, rhs_ref, *rest, L, kt, k_size, tk, buckets, uni
     flags = _field(wl_ref, "FLAGS", j, L)
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
-    start = _field(wl_ref, "START", j, L)
-    bucket = _field(wl_ref, "BUCKET", j, L)
     is_last_k = kb == kt - 1
+    ck, cn = _chunk(tk), _chunk(tn)
+    k_tail = k_size % tk != 0
 
     @pl.when(((flags & F_FIRST) != 0) & (kb == 0))
     def _zero():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def matmul(rows, s, mask_k_tail):
-        x = lhs_ref[pl.ds(s, rows), :]
-        w = rhs_ref[...]
-        if quantised:
-            w = w.astype(compute_dtype)  # exact: int8 and e4m3 values are representable in bf16
-        if mask_k_tail:
-            # Columns of the last K block past K hold whatever was beyond the array: zero them in
-            # both operands (0 * NaN would still be NaN).
-            kcol = kb * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
-            x = jnp.where(kcol < k_size, x, jnp.zeros_like(x))
-            if transpose_rhs:
-                w = jnp.where(kcol < k_size, w, jnp.zeros_like(w))
-            else:
-                krow = kb * tk + jax.lax.broadcasted_iota(jnp.int32, (tk, 1), 0)
-                w = jnp.where(krow < k_size, w, jnp.zeros_like(w))
-        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    def window(s, rows, first_row):
+        """Multiply lhs rows [s, s + rows) and merge the rows in [first_row, HI) into acc."""
+        s = pl.multiple_of(s, unit)
+        row_ok = _row_mask(s, rows, first_row, hi)
 
-    for b_idx, rows in enumerate(buckets):
+        def n_chunk(c, carry):
+            n0 = pl.multiple_of(c * cn, cn)
 
-        @pl.when(((flags & F_COMPUTE) != 0) & (bucket == b_idx))
-        def _item(rows=rows):
-            s = pl.multiple_of(start, unit)
-            if k_size % tk:
-                d = jax.lax.cond(is_last_k, functools.partial(matmul, rows, s, True),
-                                 functools.partial(matmul, rows, s, False))
-            else:
-                d = matmul(rows, s, False)
-            cur = acc_ref[pl.ds(s, rows), :]
+            def k_chunk(kc, d):
+                k0 = pl.multiple_of(kc * ck, ck)
+                x = lhs_ref[pl.ds(s, rows), pl.ds(k0, ck)]
+                if transpose_rhs:
+                    w = rhs_ref[pl.ds(n0, cn), pl.ds(k0, ck)]
+                else:
+                    w = rhs_ref[pl.ds(k0, ck), pl.ds(n0, cn)]
+                if quantised:
+                    w = w.astype(compute_dtype)  # exact: int8 and e4m3 values fit in bf16
+                if k_tail:
+                    # Past K the last K block holds whatever lay beyond the array: zero it in
+                    # both operands (0 * NaN would still be NaN).
+                    kpos = kb * tk + k0
+                    x = jnp.where(kpos + jax.lax.broadcasted_iota(jnp.int32, (1, ck), 1) < k_size,
+                                  x, jnp.zeros_like(x))
+                    if transpose_rhs:
+                        ok = kpos + jax.lax.broadcasted_iota(jnp.int32, (1, ck), 1) < k_size
+                    else:
+                        ok = kpos + jax.lax.broadcasted_iota(jnp.int32, (ck, 1), 0) < k_size
+                    w = jnp.where(ok, w, jnp.zeros_like(w))
+                dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+                return d + jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+            d = jax.lax.fori_loop(0, tk // ck, k_chunk, jnp.zeros((rows, cn), jnp.float32))
+            cur = acc_ref[pl.ds(s, rows), pl.ds(n0, cn)]
             new = cur + d
             if quantised:
-                scale = scale_ref[...].astype(jnp.float32)  # (1, tn): this group's channels
+                # Per-output-channel scales of this item's group, applied once to the finished sum.
+                scale = scale_ref[:, pl.ds(n0, cn)].astype(jnp.float32)
                 new = jnp.where(is_last_k, new * scale, new)
-            acc_ref[pl.ds(s, rows), :] = jnp.where(_row_mask(s, rows, lo, hi), new, cur)
+            # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d is NaN.
+            acc_ref[pl.ds(s, rows), pl.ds(n0, cn)] = jnp.where(row_ok, new, cur)
+            return carry
+
+        jax.lax.fori_loop(0, tn // cn, n_chunk, 0)
+
+    _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
     @pl.when(((flags & F_LAST) != 0) & is_last_k)
     def _store():
@@ -148,7 +190,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
     if k == 0 or num_groups == 0:
         return jnp.zeros((m, n), out_dtype)
     t = tiling or _tiling.gmm_tiling(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
-                                     generation=generation)
+                                     num_groups=num_groups, generation=generation)
     tm, tk, tn = t.tm, t.tk, t.tn
     unit = _tiling.row_unit(lhs.dtype)
     buckets = _tiling.bucket_sizes(tm, unit)
@@ -184,7 +226,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
     need = _tiling.gmm_vmem_bytes(tm, tk, tn, lhs.dtype, rhs.dtype, out_dtype, k=k,
                                   quantised=quantised)
     kernel = functools.partial(
-        _gmm_kernel, L=L, kt=kt, k_size=k, tk=tk, buckets=buckets, unit=unit,
+        _gmm_kernel, L=L, kt=kt, k_size=k, tk=tk, tn=tn, buckets=buckets, unit=unit,
+        rc=_tiling.row_chunk(tm),
         transpose_rhs=transpose_rhs, quantised=quantised, compute_dtype=compute_dtype)
     call = pl.pallas_call(
         kernel,
@@ -211,35 +254,54 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
 # -------------------------------------------------------------------------------------------------
 
 
-def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, buckets, unit):
+def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buckets, unit, rc):
     j = pl.program_id(2)
     flags = _field(wl_ref, "FLAGS", j, L)
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
-    start = _field(wl_ref, "START", j, L)
-    bucket = _field(wl_ref, "BUCKET", j, L)
+    ck, cn = _chunk(tk), _chunk(tn)
+    nkc, nnc = tk // ck, tn // cn
+
+    def over_chunks(fn):
+        def body(idx, carry):
+            # lax.div/rem: jnp's floor division lowers through sign(), which Mosaic handles poorly.
+            fn(pl.multiple_of(jax.lax.div(idx, nnc) * ck, ck),
+               pl.multiple_of(jax.lax.rem(idx, nnc) * cn, cn))
+            return carry
+
+        jax.lax.fori_loop(0, nkc * nnc, body, 0)
 
     @pl.when((flags & F_FIRST) != 0)
     def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        def zero(k0, n0):
+            acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)] = jnp.zeros((ck, cn), jnp.float32)
 
-    for b_idx, rows in enumerate(buckets):
+        over_chunks(zero)
 
-        @pl.when(((flags & F_COMPUTE) != 0) & (bucket == b_idx))
-        def _item(rows=rows):
-            s = pl.multiple_of(start, unit)
-            mask = _row_mask(s, rows, lo, hi)
+    def window(s, rows, first_row):
+        s = pl.multiple_of(s, unit)
+        row_ok = _row_mask(s, rows, first_row, hi)
+
+        def accumulate(k0, n0):
             # Rows of other groups are zeroed in both operands: the matmul contracts over rows.
-            x = lhs_ref[pl.ds(s, rows), :]
-            y = dout_ref[pl.ds(s, rows), :]
-            x = jnp.where(mask, x, jnp.zeros_like(x))
-            y = jnp.where(mask, y, jnp.zeros_like(y))
-            acc_ref[...] += jax.lax.dot_general(
+            x = lhs_ref[pl.ds(s, rows), pl.ds(k0, ck)]
+            y = dout_ref[pl.ds(s, rows), pl.ds(n0, cn)]
+            x = jnp.where(row_ok, x, jnp.zeros_like(x))
+            y = jnp.where(row_ok, y, jnp.zeros_like(y))
+            acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)] += jax.lax.dot_general(
                 x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        over_chunks(accumulate)
+
+    _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
     @pl.when((flags & F_LAST) != 0)
     def _store():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        def store(k0, n0):
+            out_ref[pl.ds(k0, ck), pl.ds(n0, cn)] = (
+                acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)].astype(out_ref.dtype))
+
+        over_chunks(store)
 
 
 @functools.partial(
@@ -258,7 +320,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     if m == 0 or k == 0 or n == 0 or num_groups == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
     t = tiling or _tiling.tgmm_tiling(m, k, n, lhs.dtype, dout.dtype, out_dtype,
-                                      generation=generation)
+                                      num_groups=num_groups, generation=generation)
     tm, tk, tn = t.tm, t.tk, t.tn
     unit = _tiling.row_unit(lhs.dtype, dout.dtype)
     buckets = _tiling.bucket_sizes(tm, unit)
@@ -268,7 +330,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
                            unit=unit, kind="tgmm", xp=jnp)
     need = _tiling.tgmm_vmem_bytes(tm, tk, tn, lhs.dtype, dout.dtype, out_dtype)
     call = pl.pallas_call(
-        functools.partial(_tgmm_kernel, L=L, buckets=buckets, unit=unit),
+        functools.partial(_tgmm_kernel, L=L, tk=tk, tn=tn, buckets=buckets, unit=unit,
+                          rc=_tiling.row_chunk(tm)),
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

@@ -30,6 +30,7 @@ __all__ = [
     "gmm_vmem_bytes",
     "tgmm_vmem_bytes",
     "bucket_sizes",
+    "row_chunk",
     "row_unit",
     "work_list",
     "work_list_length",
@@ -46,9 +47,13 @@ __all__ = [
 #   KFIX: 1 for items without MXU work (gmm): their lhs/rhs block index freezes at the last K
 #         block, which is the index the previous step left resident.
 #   LO, HI: the item's rows inside the row tile, [LO, HI).
-#   START, BUCKET: the row window [START, START + buckets[BUCKET]) the item's matmul runs on.
+#   START, NFULL: the item's matmul first runs NFULL full chunks of `chunk` rows from START (a
+#         multiple of the row unit at or below LO) in a loop,
+#   TSTART, BUCKET: then one tail window [TSTART, TSTART + buckets[BUCKET]) covering the rows left
+#         (BUCKET = -1: no tail). Rows outside [LO, HI) and rows an earlier chunk took are masked.
 #   FLAGS: COMPUTE | FIRST (first item of its output block) | LAST | VALID (not padding).
-GMM_FIELDS = ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "BUCKET", "FLAGS")
+GMM_FIELDS = ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "NFULL", "TSTART", "BUCKET",
+              "FLAGS")
 TGMM_FIELDS = GMM_FIELDS
 F_COMPUTE, F_FIRST, F_LAST, F_VALID = 1, 2, 4, 8
 
@@ -65,19 +70,26 @@ def row_unit(*dtypes) -> int:
     return max(8 * 4 // _itemsize(d) for d in dtypes)
 
 
+def row_chunk(tm: int) -> int:
+    """Rows of one full matmul chunk: an item's rows run as full chunks in a loop plus one tail
+    window, so the kernel holds matmul code for at most `chunk` rows whatever the row tile."""
+    return min(tm, 256)
+
+
 def bucket_sizes(tm: int, unit: int) -> tuple[int, ...]:
-    """Row counts a work item's matmul may run on: powers of two from `unit`, plus every multiple of
-    tm/8, up to tm. A 20-row group tail runs a 32-row matmul, not a `tm`-row one; the finer steps at
-    large sizes keep the padding of long partial pieces under ~1/8."""
+    """Row counts a tail window may run on: powers of two from `unit`, plus every multiple of
+    chunk/8, up to the chunk. A 20-row group tail runs a 32-row matmul, not a whole tile; the
+    finer steps at larger sizes keep a tail's padding under chunk/8 rows."""
+    rc = row_chunk(tm)
     sizes = set()
     b = unit
-    while b < tm:
+    while b < rc:
         sizes.add(b)
         b *= 2
-    step = max(unit, (tm // 8) // unit * unit)
-    sizes.update(range(step, tm + 1, step))
-    sizes.add(tm)
-    return tuple(sorted(s for s in sizes if s <= tm and s % unit == 0))
+    step = max(unit, (rc // 8) // unit * unit)
+    sizes.update(range(step, rc + 1, step))
+    sizes.add(rc)
+    return tuple(sorted(s for s in sizes if s <= rc and s % unit == 0))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -132,62 +144,94 @@ def _budget(gen: TpuGeneration) -> int:
     return gen.vmem_bytes // 2
 
 
-def _pick_dim(size: int, cap: int, candidates=(2048, 1024, 512, 256, 128)) -> int:
-    """The whole dimension if it is at most `cap`, else the largest candidate tile <= cap dividing
-    it (no tail), else the largest candidate <= cap (the kernel masks the tail)."""
-    if size <= cap:
-        return size
-    fitting = [c for c in candidates if c <= cap]
-    for c in fitting:
-        if size % c == 0:
-            return c
-    return fitting[0]
+def _dim_candidates(size: int) -> list[int]:
+    """Legal tiles along a lane dimension: the whole dimension, and the multiples of 128 from 256
+    to 4096 below it that divide it (no tail); non-dividing 512 / 256 only when no divisor exists
+    (the kernel masks a K tail; an N tail is clipped at write-back)."""
+    cands = [size]
+    divisors = [c for c in (4096, 2048, 1024, 512, 256) if c < size and size % c == 0]
+    cands += divisors
+    if size > 512 and not divisors:
+        cands += [512, 256]
+    return cands
 
 
-def _shrink(dim_tile: int, full: int) -> int:
-    """Next smaller legal tile (a multiple of 128) below `dim_tile`, or dim_tile if none."""
-    nxt = (dim_tile // 2) // 128 * 128
-    if nxt < 128:
-        return dim_tile
-    return nxt
+def _row_candidates(gen: TpuGeneration, m: int, unit: int, tm: Optional[int]) -> list[int]:
+    if tm:
+        return [tm]
+    cap = -(-max(m, 1) // unit) * unit
+    return sorted({max(unit, min(t, cap)) for t in (gen.mxu_size, 128, 256, 512, 1024)})
 
 
-def _row_tile(gen: TpuGeneration, m: int, unit: int, tm: Optional[int]) -> int:
-    tm = tm or gen.mxu_size
-    return max(unit, min(tm, -(-max(m, 1) // unit) * unit))
+def _modelled(gen, flops, nbytes, steps) -> float:
+    # Compute and traffic added, not overlapped: a pessimistic model under which MXU padding is
+    # never free, so memory-bound shapes still prefer tiles that waste fewer MXU rows.
+    return flops / gen.bf16_flops + nbytes / gen.hbm_bytes_per_s + steps * gen.step_overhead_s
+
+
+def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
+    """The (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
+    sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
+    row tile, then to fewer grid steps. Fields given in `ov` are kept as given."""
+    budget = _budget(gen)
+    best, smallest = None, None
+    tms = _row_candidates(gen, m, unit, ov.get("tm"))
+    tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
+    tns = [ov["tn"]] if ov.get("tn") else _dim_candidates(n)
+    for tm in tms:
+        for tk in tks:
+            for tn in tns:
+                vm = need(tm, tk, tn)
+                items = -(-m // tm) + min(num_groups, m)
+                nbytes, steps = traffic(tm, tk, tn, items)
+                # Row padding: an item's tail window is about chunk/16 rows larger than its rows on
+                # average (bucket steps of chunk/8).
+                flops = 2 * (m + items * max(row_chunk(tm) // 16, unit // 2)) * k * n
+                key = (_modelled(gen, flops, nbytes, steps), tm != gen.mxu_size, steps)
+                if vm <= budget and (best is None or key < best[0]):
+                    best = (key, (tm, tk, tn))
+                if smallest is None or vm < smallest[0]:
+                    smallest = (vm, (tm, tk, tn))
+    # Nothing fits (only possible with an override): take the smallest; the compiler decides.
+    return (best or smallest)[1]
+
+
+def _override(override, cls) -> dict:
+    ov = dataclasses.asdict(override) if isinstance(override, cls) else dict(override or {})
+    unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
+    if unknown:
+        raise ValueError(
+            f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn, vmem_limit_bytes")
+    return {key: v for key, v in ov.items() if v is not None}
 
 
 def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
-               generation: Optional[str] = None, override: Optional[GmmTiling | dict] = None,
+               num_groups: int = 1, generation: Optional[str] = None,
+               override: Optional[GmmTiling | dict] = None,
                quantised: Optional[bool] = None) -> GmmTiling:
-    """Tiles for gmm on `generation` (default: the attached or $PALLAS_TPU_GENERATION or v6e).
-    `override` (a GmmTiling or a dict with any of tm/tk/tn/vmem_limit_bytes) wins field by field."""
+    """Tiles for gmm on `generation` (default: the attached TPU's, else $PALLAS_TPU_GENERATION,
+    else v6e). `override` (a GmmTiling or a dict with any of tm/tk/tn/vmem_limit_bytes) wins field
+    by field; the other fields are searched with the override's fixed."""
     gen = get_generation(generation)
     out_dtype = out_dtype or lhs_dtype
     if quantised is None:
         quantised = np.dtype(rhs_dtype).itemsize == 1
-    ov = dataclasses.asdict(override) if isinstance(override, GmmTiling) else dict(override or {})
-    unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
-    if unknown:
-        raise ValueError(f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn")
+    ov = _override(override, GmmTiling)
     unit = row_unit(lhs_dtype)
-    tm = _row_tile(gen, m, unit, ov.get("tm"))
-    tk = ov.get("tk") or _pick_dim(k, 4096)
-    tn = ov.get("tn") or _pick_dim(n, 2048)
-    budget = _budget(gen)
-    need = lambda: gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
-                                  quantised=quantised)
-    while need() > budget:
-        if "tn" not in ov and tn > 256 and _shrink(tn, n) != tn and tn >= tk // 2:
-            tn = _shrink(tn, n)
-        elif "tk" not in ov and tk > 256 and _shrink(tk, k) != tk:
-            tk = _shrink(tk, k)
-        elif "tn" not in ov and tn > 128 and _shrink(tn, n) != tn:
-            tn = _shrink(tn, n)
-        elif "tm" not in ov and tm > unit:
-            tm = max(unit, tm // 2 // unit * unit)
-        else:
-            break  # the override asks for more than the budget: let the compiler decide
+    lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+
+    def traffic(tm, tk, tn, items):
+        kt, nt = -(-k // tk), -(-n // tn)
+        # lhs once per N tile; weights once per group when K is whole, else once per item.
+        groups_read = min(num_groups, m) if kt == 1 else items
+        nbytes = nt * m * k * lb + groups_read * k * n * wb + m * n * ob
+        return nbytes, nt * items * kt
+
+    tm, tk, tn = _search(
+        gen, m, k, n, num_groups, unit, ov,
+        lambda tm, tk, tn: gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
+                                          quantised=quantised),
+        traffic)
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
     _check_tile("tn", tn, n, 128)
@@ -195,31 +239,24 @@ def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
 
 
 def tgmm_tiling(m: int, k: int, n: int, lhs_dtype, dout_dtype, out_dtype=None, *,
-                generation: Optional[str] = None,
+                num_groups: int = 1, generation: Optional[str] = None,
                 override: Optional[TgmmTiling | dict] = None) -> TgmmTiling:
+    """Tiles for tgmm (lhs [m, k], dout [m, n] -> [num_groups, k, n]); see gmm_tiling."""
     gen = get_generation(generation)
     out_dtype = out_dtype or lhs_dtype
-    ov = dataclasses.asdict(override) if isinstance(override, TgmmTiling) else dict(override or {})
-    unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
-    if unknown:
-        raise ValueError(f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn")
+    ov = _override(override, TgmmTiling)
     unit = row_unit(lhs_dtype, dout_dtype)
-    tm = _row_tile(gen, m, unit, ov.get("tm"))
-    tk = ov.get("tk") or _pick_dim(k, 2048)
-    tn = ov.get("tn") or _pick_dim(n, 2048)
-    budget = _budget(gen)
-    need = lambda: tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype)
-    while need() > budget:
-        if "tn" not in ov and tn >= tk and _shrink(tn, n) != tn:
-            tn = _shrink(tn, n)
-        elif "tk" not in ov and _shrink(tk, k) != tk:
-            tk = _shrink(tk, k)
-        elif "tn" not in ov and _shrink(tn, n) != tn:
-            tn = _shrink(tn, n)
-        elif "tm" not in ov and tm > unit:
-            tm = max(unit, tm // 2 // unit * unit)
-        else:
-            break
+    lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
+
+    def traffic(tm, tk, tn, items):
+        kt, nt = -(-k // tk), -(-n // tn)
+        nbytes = nt * m * k * lb + kt * m * n * db + num_groups * k * n * ob
+        return nbytes, kt * nt * items
+
+    tm, tk, tn = _search(
+        gen, m, k, n, num_groups, unit, ov,
+        lambda tm, tk, tn: tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype),
+        traffic)
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
     _check_tile("tn", tn, n, 128)
@@ -311,15 +348,23 @@ def work_list(group_sizes, *, m: int, tm: int, buckets: tuple[int, ...], unit: i
     res_group = xp.where(has, g[lc], 0).astype(i32)
     kfix = xp.where(compute, 0, 1).astype(i32)
 
+    rc = row_chunk(tm)
     bucket_arr = xp.asarray(np.asarray(buckets, np.int32))
     s0 = lo // unit * unit
-    bidx = xp.minimum(xp.searchsorted(bucket_arr, hi - s0, side="left"), len(buckets) - 1)
-    bidx = xp.where(compute, bidx, 0).astype(i32)
-    start = xp.where(compute, xp.minimum(s0, tm - bucket_arr[bidx]), 0).astype(i32)
+    nfull = (hi - s0) // rc
+    tail_lo = s0 + nfull * rc
+    has_tail = compute & (hi > tail_lo)
+    bidx = xp.minimum(xp.searchsorted(bucket_arr, hi - tail_lo, side="left"), len(buckets) - 1)
+    # A tail window that would cross the tile's end slides back; the rows it then shares with
+    # the full chunks are masked out by the kernel.
+    tstart = xp.where(has_tail, xp.minimum(tail_lo, tm - bucket_arr[bidx]), 0).astype(i32)
+    bidx = xp.where(has_tail, bidx, -1).astype(i32)
+    start = xp.where(compute, s0, 0).astype(i32)
+    nfull = xp.where(compute, nfull, 0).astype(i32)
 
     flags = (xp.where(compute, F_COMPUTE, 0) | xp.where(first, F_FIRST, 0)
              | xp.where(last, F_LAST, 0) | xp.where(valid, F_VALID, 0)).astype(i32)
-    fields = (out, res_tile, res_group, kfix, lo, hi, start, bidx, flags)
+    fields = (out, res_tile, res_group, kfix, lo, hi, start, nfull, tstart, bidx, flags)
     return xp.concatenate(fields).astype(i32)
 
 
@@ -336,18 +381,20 @@ def _fields(wl: np.ndarray) -> dict[str, np.ndarray]:
 def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_dtype="bfloat16",
                   rhs_dtype="bfloat16", out_dtype=None, transpose_rhs: bool = False,
                   tiling=None, generation: Optional[str] = None,
-                  count_work_list: bool = False) -> KernelCost:
+                  count_work_list: bool = False, padded_edge_blocks: bool = False) -> KernelCost:
     """What one call of `kind` ("gmm" or "tgmm") does, for concrete `group_sizes`.
 
     gmm: lhs [M, K], rhs [G, K, N] ([G, N, K] with transpose_rhs); int8/fp8 rhs adds f32 scales
     [G, N]. tgmm: lhs [M, K], dout [M, N] -> [G, K, N] (`rhs_dtype` is then dout's dtype).
     hbm_bytes counts the BlockSpec copies exactly as the Pallas pipeline issues them: an input
     block is copied when its block index differs from the previous grid step's, an output block is
-    written back when its index changes and after the last step; edge blocks count only their
-    in-bounds part. `count_work_list` adds the SMEM work list (scalar prefetch) to hbm_bytes.
+    written back when its index changes and after the last step. Edge blocks (a dimension not a
+    multiple of its tile) count only their in-bounds part, or the whole block with
+    `padded_edge_blocks` (what Pallas' TPU interpreter copies). `count_work_list` adds the SMEM work
+    list (scalar prefetch) to hbm_bytes.
     min_hbm_bytes: the rows inside groups of lhs (and dout) and the weights of non-empty groups read
     once, the output written once. useful_flops = 2 * rows in groups * K * N; mxu_flops counts every
-    matmul the kernel issues at its (bucket rows, tk, tn) size.
+    matmul the kernel issues at its (rows of full chunks and tail window, tk, tn) size.
     """
     gs = np.asarray(group_sizes, dtype=np.int64)
     lhs_dtype = np.dtype(lhs_dtype)
@@ -364,13 +411,15 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
             _, k2, n = rhs_or_dout_shape
         quantised = wb == 1
         t = tiling if isinstance(tiling, GmmTiling) else gmm_tiling(
-            m, k, n, lhs_dtype, rhs_dtype, out_dtype, generation=generation, override=tiling)
+            m, k, n, lhs_dtype, rhs_dtype, out_dtype, num_groups=num_groups, generation=generation,
+            override=tiling)
         unit = row_unit(lhs_dtype)
     elif kind == "tgmm":
         _, n = rhs_or_dout_shape
         quantised = False
         t = tiling if isinstance(tiling, TgmmTiling) else tgmm_tiling(
-            m, k, n, lhs_dtype, rhs_dtype, out_dtype, generation=generation, override=tiling)
+            m, k, n, lhs_dtype, rhs_dtype, out_dtype, num_groups=num_groups, generation=generation,
+            override=tiling)
         unit = row_unit(lhs_dtype, rhs_dtype)
     else:
         raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
@@ -381,20 +430,21 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
     kt, nt = -(-k // tk), -(-n // tn)
 
     def rows(tile):  # in-bounds rows of a row tile
-        return max(0, min(tm, m - tile * tm))
+        return tm if padded_edge_blocks else max(0, min(tm, m - tile * tm))
 
     def kcols(kb):
-        return min(tk, k - kb * tk)
+        return tk if padded_edge_blocks else min(tk, k - kb * tk)
 
     def ncols(nb):
-        return min(tn, n - nb * tn)
+        return tn if padded_edge_blocks else min(tn, n - nb * tn)
 
     nonempty = int((gs > 0).sum())
     steps = nt * L * kt
     mxu = 0
     hbm = 0
     compute = (wl["FLAGS"] & F_COMPUTE) != 0
-    bucket_rows = np.where(compute, np.asarray(buckets)[wl["BUCKET"]], 0)
+    tail_rows = np.where(wl["BUCKET"] >= 0, np.asarray(buckets)[np.maximum(wl["BUCKET"], 0)], 0)
+    bucket_rows = np.where(compute, wl["NFULL"] * row_chunk(tm) + tail_rows, 0)
 
     if kind == "gmm":
         prev = {"lhs": None, "rhs": None, "scale": None, "out": None}

@@ -1,0 +1,224 @@
+"""Our kernels, plugged into the benchmarks: one small adapter per kernel.
+
+Each adapter turns a benchmark shape into
+  cost(shape, generation)          -> KernelCost, from the kernel's own `tiling.estimate_cost`
+  call(shape, generation)          -> (fn, args): the kernel.py entry point on random data
+  compile_args(shape, generation)  -> (fn, [(shape, dtype), ...]) for the deviceless compile
+The kernels are loaded the way the tests load them (built package, `kernel_loader.load_kernel`).
+An adapter whose kernel has not landed (import or attribute error) reports `available() == False`
+and its rows are left out of the results, never faked.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT / "tests", ROOT / "torch-ext"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+__all__ = ["ADAPTERS", "load"]
+
+
+@functools.lru_cache(maxsize=None)
+def load(key: str):
+    import kernel_loader
+
+    return kernel_loader.load_kernel(key)
+
+
+def _random(key_int, shape, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.random.normal(jax.random.key(key_int), shape, jnp.float32).astype(jnp.dtype(dtype))
+
+
+class Adapter:
+    key = ""
+    label = ""
+    needs = ()  # (submodule, attribute) pairs that must exist
+    # Whether tiling.estimate_cost's hbm_bytes includes the scalar-prefetched tables (the counter
+    # reports those separately as prefetch_bytes).
+    prefetch_in_estimate = False
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            mod = load(self.key)
+            for sub, attr in self.needs:
+                getattr(getattr(mod, sub), attr)
+        except Exception as e:  # not landed yet, or broken: leave the rows out and say why
+            return False, f"{type(e).__name__}: {e}"[:300]
+        return True, ""
+
+    @property
+    def mod(self):
+        return load(self.key)
+
+
+class RaggedDot(Adapter):
+    key = "ragged_dot"
+    label = "ours: gmm"
+    needs = (("kernel", "gmm"), ("tiling", "estimate_cost"))
+    prefetch_in_estimate = False  # estimate_cost(count_work_list=False): BlockSpec copies only
+
+    def small_tiles(self):
+        return self.mod.tiling.GmmTiling(tm=16, tk=128, tn=128)
+
+    def cost(self, shape, generation, tiles=None):
+        t = tiles or self.mod.tiling.gmm_tiling(shape.m, shape.k, shape.n, shape.dtype,
+                                                shape.dtype, shape.dtype, generation=generation)
+        c = self.mod.tiling.estimate_cost(
+            "gmm", (shape.m, shape.k), (shape.experts, shape.k, shape.n), shape.group_sizes,
+            lhs_dtype=shape.dtype, rhs_dtype=shape.dtype, out_dtype=shape.dtype, tiling=t,
+            generation=generation)
+        return c, {"tiling": [t.tm, t.tk, t.tn], "notes": []}
+
+    def call(self, shape, generation, tiles=None):
+        import jax.numpy as jnp
+
+        lhs = _random(10, (shape.m, shape.k), shape.dtype)
+        rhs = _random(11, (shape.experts, shape.k, shape.n), shape.dtype)
+        gs = jnp.asarray(shape.group_sizes, jnp.int32)
+        gmm = self.mod.kernel.gmm
+
+        def fn(lhs, rhs, gs):
+            return gmm(lhs, rhs, gs, out_dtype=jnp.dtype(shape.dtype), tiling=tiles,
+                       generation=generation)
+
+        return fn, (lhs, rhs, gs)
+
+    def compile_args(self, shape, generation):
+        import jax.numpy as jnp
+
+        gmm = self.mod.kernel.gmm
+        dt = jnp.dtype(shape.dtype)
+
+        def fn(lhs, rhs, gs):
+            return gmm(lhs, rhs, gs, out_dtype=dt, generation=generation)
+
+        return fn, [((shape.m, shape.k), dt), ((shape.experts, shape.k, shape.n), dt),
+                    ((shape.experts,), jnp.int32)]
+
+
+def _window_size(shape):
+    # flash-attn convention (left, right); a window of w keys = the query's own key + w-1 before.
+    return (shape.window - 1, 0) if shape.window is not None else (-1, -1)
+
+
+class FlashAttention(Adapter):
+    key = "flash_attention"
+    label = "ours: flash_attention_fwd"
+    needs = (("kernel", "flash_attention_fwd"), ("tiling", "estimate_cost"))
+    prefetch_in_estimate = True  # its estimate counts the SMEM work list it scalar-prefetches
+
+    def small_tiles(self):
+        return self.mod.tiling.Tiles(block_q=128, block_kv=256, block_kv_compute=128,
+                                     block_q_bwd=128, block_kv_bwd=128)
+
+    def cost(self, shape, generation, tiles=None):
+        t = tiles or self.mod.tiling.choose_tiles(
+            q_len=shape.seq, kv_len=shape.seq, num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
+            causal=shape.causal, window_size=_window_size(shape), generation=generation)
+        c = self.mod.tiling.estimate_cost(
+            batch=shape.batch, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
+            q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, dtype=shape.dtype,
+            causal=shape.causal, window_size=_window_size(shape), tiles=t,
+            generation=generation, pass_="fwd")
+        return c, {"tiling": [t.block_q, t.block_kv, t.block_kv_compute], "notes": [
+            "writes lse (f32 per row) for the backward"]}
+
+    def _fn(self, shape, generation, tiles=None):
+        fwd = self.mod.kernel.flash_attention_fwd
+
+        def fn(q, k, v):
+            o, _ = fwd(q, k, v, causal=shape.causal, window_size=_window_size(shape),
+                       softcap=shape.softcap or 0.0, tiles=tiles, generation=generation)
+            return o
+
+        return fn
+
+    def call(self, shape, generation, tiles=None):
+        qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
+        kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
+        return self._fn(shape, generation, tiles), (_random(20, qs, shape.dtype),
+                                             _random(21, kvs, shape.dtype),
+                                             _random(22, kvs, shape.dtype))
+
+    def compile_args(self, shape, generation):
+        import jax.numpy as jnp
+
+        dt = jnp.dtype(shape.dtype)
+        qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
+        kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
+        return self._fn(shape, generation), [(qs, dt), (kvs, dt), (kvs, dt)]
+
+
+class PagedAttention(Adapter):
+    key = "paged_attention"
+    label = "ours: ragged_paged_attention"
+    needs = (("kernel", "ragged_paged_attention"), ("tiling", "estimate_cost"))
+    prefetch_in_estimate = True  # kv_lens, cu_q_lens, page table and work list in SMEM
+
+    def small_tiles(self):
+        return self.mod.tiling.PagedAttentionConfig(block_q=8, pages_per_block=4)
+
+    def cost(self, shape, generation, tiles=None):
+        c = self.mod.tiling.estimate_cost(
+            q_lens=[q for q, _ in shape.seqs], kv_lens=[kv for _, kv in shape.seqs],
+            num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            page_size=shape.page_size, pages_per_seq=shape.pages_per_seq, q_dtype=shape.dtype,
+            kv_dtype=shape.dtype, sliding_window=shape.window, generation=generation,
+            config=tiles)
+        cfg = self.mod.tiling.choose_config(
+            num_tokens=shape.q_tokens, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim, page_size=shape.page_size, pages_per_seq=shape.pages_per_seq,
+            q_dtype=shape.dtype, kv_dtype=shape.dtype, generation=generation, config=tiles)
+        return c, {"tiling": [cfg.block_q, cfg.pages_per_block], "notes": [
+            "the new tokens' KV cache write (write_kv) is a separate call, not counted"]}
+
+    def _fn(self, shape, generation, tiles=None):
+        rpa = self.mod.kernel.ragged_paged_attention
+
+        def fn(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs):
+            return rpa(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+                       sliding_window=shape.window, config=tiles, generation=generation)
+
+        return fn
+
+    def _avals(self, shape):
+        import jax.numpy as jnp
+
+        n = len(shape.seqs)
+        dt = jnp.dtype(shape.dtype)
+        return [((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
+                ((n * shape.pages_per_seq, 2 * shape.kv_heads, shape.page_size, shape.head_dim),
+                 dt),
+                ((n,), jnp.int32), ((n, shape.pages_per_seq), jnp.int32), ((n + 1,), jnp.int32),
+                ((1,), jnp.int32)]
+
+    def call(self, shape, generation, tiles=None):
+        import jax.numpy as jnp
+
+        av = self._avals(shape)
+        n = len(shape.seqs)
+        page_table = np.arange(n * shape.pages_per_seq, dtype=np.int32).reshape(n, -1)
+        kv_lens = np.asarray([kv for _, kv in shape.seqs], np.int32)
+        cu = np.concatenate([[0], np.cumsum([q for q, _ in shape.seqs])]).astype(np.int32)
+        return self._fn(shape, generation, tiles), (
+            _random(30, av[0][0], shape.dtype), _random(31, av[1][0], shape.dtype),
+            jnp.asarray(kv_lens), jnp.asarray(page_table), jnp.asarray(cu),
+            jnp.asarray([n], jnp.int32))
+
+    def compile_args(self, shape, generation):
+        return self._fn(shape, generation), self._avals(shape)
+
+
+ADAPTERS = {"ragged_dot": RaggedDot(), "flash_attention": FlashAttention(),
+            "paged_attention": PagedAttention()}

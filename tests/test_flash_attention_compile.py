@@ -1,0 +1,79 @@
+"""flash-attention-tpu: deviceless Mosaic compiles for v5e, v6e and TPU7x at production shapes
+(Llama-3-8B and Gemma-2-style), forward and backward, with the tiles choose_tiles picks."""
+
+import os
+
+import jax.numpy as jnp
+import pytest
+
+# Several pytest processes on one host may each load libtpu; without this libtpu refuses the
+# second one ("multi-process lockfile"). Deviceless compiles share no device, so it is safe.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import kernel_loader  # noqa: E402
+import tpu_compile  # noqa: E402
+
+fa = kernel_loader.load_kernel("flash_attention")
+K, T = fa.kernel, fa.tiling
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(not tpu_compile.libtpu_available(), reason="needs .libtpu (make setup)"),
+]
+
+SHAPES = {
+    # 32 query heads, 8 KV heads, head dim 128, 8192 tokens, causal, batch 1
+    "llama3_8b": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(-1, -1), softcap=0.0),
+    # head dim 256, soft cap 50, sliding window 4096 (as Transformers passes it: (4095, 4095))
+    "gemma2": dict(Hq=16, Hkv=8, S=8192, D=256, causal=True, window=(4095, 4095), softcap=50.0),
+}
+
+
+def _compile(gen, shape, direction):
+    s = SHAPES[shape]
+    Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
+    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                           dtype=jnp.bfloat16, causal=s["causal"], window_size=s["window"],
+                           generation=gen)
+    cfg = dict(causal=s["causal"], window_size=s["window"], softcap=s["softcap"], tiles=tiles)
+    q = ((1, Hq, S, D), jnp.bfloat16)
+    kv = ((1, Hkv, S, D), jnp.bfloat16)
+    if direction == "fwd":
+        compiled = tpu_compile.compile_for(
+            gen, lambda q, k, v: K.flash_attention_fwd(q, k, v, **cfg), q, kv, kv)
+    else:
+        lse = ((1, Hq, S), jnp.float32)
+        compiled = tpu_compile.compile_for(
+            gen, lambda q, k, v, o, lse, do: K.flash_attention_bwd(q, k, v, o, lse, do, **cfg)[:3],
+            q, kv, kv, q, lse, q)
+    return compiled, tiles
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_compiles_at_production_shapes(gen, shape, direction):
+    compiled, tiles = _compile(gen, shape, direction)
+    assert compiled is not None
+    limit = tiles.vmem_limit_bytes if direction == "fwd" else tiles.vmem_limit_bytes_bwd
+    assert limit <= T.GENERATIONS[gen].vmem_bytes * 3 // 4
+
+
+@pytest.mark.parametrize("gen", ["v6e"])
+def test_compiles_varlen_sinks_odd_head_dim(gen):
+    """Packed varlen with sinks at head dim 80 (not a lane multiple), bf16, both directions."""
+    Hq, Hkv, T_, D = 8, 2, 2000, 80
+    tiles = T.choose_tiles(q_len=T_, kv_len=T_, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                           dtype=jnp.bfloat16, causal=True, generation=gen)
+    cfg = dict(causal=True, window_size=(255, -1), tiles=tiles)
+    q = ((T_, Hq, D), jnp.bfloat16)
+    kv = ((T_, Hkv, D), jnp.bfloat16)
+    cu = ((9,), jnp.int32)
+    sinks = ((Hq,), jnp.float32)
+    tpu_compile.compile_for(
+        gen, lambda q, k, v, s, cu: K.flash_attention_fwd(
+            q, k, v, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg), q, kv, kv, sinks, cu)
+    tpu_compile.compile_for(
+        gen, lambda q, k, v, o, lse, do, s, cu: K.flash_attention_bwd(
+            q, k, v, o, lse, do, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg)[:4],
+        q, kv, kv, q, ((1, Hq, T_), jnp.float32), q, sinks, cu)

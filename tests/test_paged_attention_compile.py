@@ -1,0 +1,94 @@
+"""Deviceless Mosaic compile of the paged attention kernel for v5e, v6e and TPU7x at Llama-3-8B
+serving sizes (32 query heads, 8 KV heads, head dim 128, bf16) with the default tiling: decode
+batch 64 with 8192-token contexts, and a mixed batch of a 2048-token prefill chunk plus 63 decodes.
+A VMEM overflow or layout error fails the compile."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+import kernel_loader
+import tpu_compile
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(not tpu_compile.libtpu_available(), reason="libtpu not installed (make setup)"),
+]
+
+PA = kernel_loader.load_kernel("paged_attention")
+SEQS, CTX, HQ, HKV, D = 64, 8192, 32, 8, 128
+
+
+def _compile(generation, page_size, tokens, separate=False):
+    pages = CTX // page_size
+    c = HKV if separate else 2 * HKV
+    cache = ((SEQS * pages, c, page_size, D), jnp.bfloat16)
+    fn = functools.partial(PA.kernel.ragged_paged_attention, generation=generation, interpret=False)
+    extra = {"v_pages": cache} if separate else {}
+    return tpu_compile.compile_for(
+        generation, fn, ((tokens, HQ, D), jnp.bfloat16), cache, ((SEQS,), jnp.int32),
+        ((SEQS, pages), jnp.int32), ((SEQS + 1,), jnp.int32), ((1,), jnp.int32), **extra)
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_decode_batch_compiles(generation, page_size):
+    compiled = _compile(generation, page_size, SEQS)
+    # Only the kernel's small work-list / q layout temporaries: no copy of the 2 GiB cache.
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_mixed_batch_with_prefill_chunk_compiles(generation, page_size):
+    compiled = _compile(generation, page_size, 2048 + SEQS - 1)
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+def test_separate_kv_caches_compile(generation):
+    _compile(generation, 32, SEQS, separate=True)
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+def test_default_tiles_fit_vmem_budget(generation):
+    """The budget model's need for the default tiles stays within the VMEM budget, and the limit
+    the kernel asks Mosaic for stays under 3/4 of physical VMEM, at every tested page size and
+    both batch shapes."""
+    gen = PA.tiling.GENERATIONS[generation]
+    for page_size in (16, 32, 64, 128):
+        for tokens in (SEQS, 2048 + SEQS - 1):
+            cfg = PA.tiling.choose_config(
+                num_tokens=tokens, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                page_size=page_size, pages_per_seq=CTX // page_size, q_dtype="bfloat16",
+                kv_dtype="bfloat16", generation=generation)
+            need = PA.tiling.vmem_need_bytes(
+                block_q=cfg.block_q, pages_per_block=cfg.pages_per_block, page_size=page_size,
+                num_kv_heads=HKV, group=HQ // HKV, head_dim=D, q_dtype="bfloat16",
+                kv_dtype="bfloat16")
+            assert need <= PA.tiling.vmem_budget_bytes(gen)
+            assert PA.tpu_generations.vmem_limit_bytes(gen, need) <= gen.vmem_bytes * 3 // 4
+            assert PA.tpu_generations.vmem_limit_bytes(gen, need) >= need
+
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+def test_cache_write_in_place_for_decode(generation):
+    """kernel.write_kv (XLA scatter) with the cache donated writes a decode batch's 64 tokens in
+    place: no cache-sized temporary, the output aliases the cache."""
+    import jax
+
+    page_size = 128
+    pages = CTX // page_size
+    av = functools.partial(tpu_compile.tpu_aval, generation=generation)
+    cache = av((SEQS * pages, 2 * HKV, page_size, D), jnp.bfloat16)
+    compiled = jax.jit(PA.kernel.write_kv, donate_argnums=0).trace(
+        cache, av((SEQS, 2 * HKV, D), jnp.bfloat16), av((SEQS,), jnp.int32),
+        av((SEQS, pages), jnp.int32), av((SEQS + 1,), jnp.int32), av((1,), jnp.int32)
+    ).lower().compile()
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes == SEQS * pages * 2 * HKV * page_size * D * 2
+    assert mem.temp_size_in_bytes < 16 << 20

@@ -1,0 +1,76 @@
+"""End to end with no download: a tiny random Llama (f32) through the paged attention kernel.
+
+`generate_batch` (continuous batching) loads the built package as a Hub kernel (LOCAL_KERNELS maps
+the repo id to the local build) and must give, for every prompt, the greedy tokens of plain
+`generate` with eager attention; `register()`'s attention function must do the same for `generate`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_loader
+
+pytestmark = pytest.mark.e2e
+
+PA = kernel_loader.load_kernel("paged_attention")
+PROMPTS = [[1, 5, 9, 3], [7, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_and_reference():
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    gc = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist()
+                for p in PROMPTS]
+    return model, gc, want
+
+
+@pytest.mark.timeout(600)
+def test_generate_batch_matches_generate(model_and_reference, monkeypatch):
+    model, gc, want = model_and_reference
+    repo = PA.integration.HUB_ATTN_IMPLEMENTATION.split(":")[0]
+    assert repo == kernel_loader.repo_id("paged_attention")
+    root = kernel_loader.variant_path("paged_attention").parent.parent
+    monkeypatch.setenv("LOCAL_KERNELS", f"{repo}={root}")
+    calls = []
+    orig = PA.ops.varlen_op
+    # Transformers loads the same build (same op namespace and module); count the kernel's calls.
+    monkeypatch.setattr(PA.ops, "varlen_op", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    model.set_attn_implementation(PA.integration.HUB_ATTN_IMPLEMENTATION)
+    try:
+        with torch.no_grad():
+            res = model.generate_batch(inputs=PROMPTS, generation_config=gc)
+    finally:
+        model.set_attn_implementation("eager")
+    got = [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+    assert got == want
+    assert calls, "generate_batch did not run the paged kernel"
+
+
+@pytest.mark.timeout(600)
+def test_registered_attention_generate(model_and_reference, monkeypatch):
+    model, gc, want = model_and_reference
+    name = PA.register()
+    calls = []
+    orig = PA.ops.varlen_op
+    monkeypatch.setattr(PA.ops, "varlen_op", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            got = [model.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist()
+                   for p in PROMPTS[:2]]
+    finally:
+        model.set_attn_implementation("eager")
+    assert got == want[:2]
+    assert calls

@@ -1,0 +1,171 @@
+"""ragged-dot-tpu torch API: ops (opcheck, autograd, torch.compile), bad input, Hub loading."""
+
+import numpy as np
+import pytest
+import torch
+
+import kernel_loader
+
+rd = kernel_loader.load_kernel("ragged_dot")
+
+
+def _ref_gmm(x, w, group_sizes, transpose_rhs=False):
+    """Per-group torch loop in float64: differentiable reference."""
+    outs, start = [], 0
+    for g, size in enumerate(group_sizes):
+        wg = w[g].T if transpose_rhs else w[g]
+        outs.append(x[start:start + size] @ wg)
+        start += size
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    outs.append(x.new_zeros((x.shape[0] - start, n)))
+    return torch.cat(outs)
+
+
+def _inputs(m, k, n, group_sizes, dtype=torch.float32, transpose_rhs=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
+    w = torch.randn(*shape, generator=gen).to(dtype)
+    return x, w, torch.tensor(group_sizes, dtype=torch.int32)
+
+
+def test_public_api():
+    assert set(rd.__all__) == {"ragged_dot", "gmm", "tgmm", "experts_forward", "register"}
+    for name in rd.__all__:
+        assert callable(getattr(rd, name))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gmm_autograd_matches_reference(transpose_rhs, dtype):
+    gs = [3, 0, 17, 1, 9]  # sum 30 < M = 40
+    x, w, gst = _inputs(40, 72, 136, gs, dtype, transpose_rhs)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = rd.gmm(x, w, gst.to(torch.int64), transpose_rhs=transpose_rhs)
+    assert out.dtype == dtype and out.shape == (40, 136)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = _ref_gmm(x64, w64, gs, transpose_rhs)
+    grad = torch.randn(40, 136, generator=torch.Generator().manual_seed(1)).to(dtype)
+    dx, dw = torch.autograd.grad(out, (x, w), grad)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x64, w64), grad.double())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-1)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(dx.double(), dx_ref, **tol)
+    torch.testing.assert_close(dw.double(), dw_ref, **tol)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert torch.all(dw[1] == 0)  # the empty group gets an exactly zero weight gradient
+
+
+def test_tgmm_and_ragged_dot_match_reference():
+    gs = [4, 0, 9, 2]
+    x, w, gst = _inputs(20, 200, 128, gs)
+    dout = torch.randn(20, 128)
+    got = rd.tgmm(x, dout, gst)
+    ref = torch.stack([x[s:e].T.double() @ dout[s:e].double() for s, e in
+                       zip(np.r_[0, np.cumsum(gs)[:-1]], np.cumsum(gs))])
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    out = rd.ragged_dot(x, w, gst, preferred_element_type=torch.float32)
+    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantised_gmm_torch(qdtype):
+    gs = [5, 0, 11]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    if qdtype == torch.int8:
+        wq = torch.randint(-127, 128, (3, 128, 256), generator=gen, dtype=torch.int8)
+    else:
+        wq = (torch.randn(3, 128, 256, generator=gen) * 4).to(qdtype)
+    scales = torch.rand(3, 128, generator=gen) * 0.01 + 0.005
+    out = rd.gmm(x, wq, torch.tensor(gs), scales, transpose_rhs=True, out_dtype=torch.float32)
+    deq = wq.to(torch.float64) * scales.double()[:, :, None]
+    ref = _ref_gmm(x.double(), deq, gs, transpose_rhs=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_opcheck():
+    gs = [3, 0, 5]
+    x, w, gst = _inputs(10, 128, 128, gs)
+    torch.library.opcheck(rd.ops.gmm_op, (x, w, gst, None, False, "", 0, 0, 0))
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.library.opcheck(rd.ops.gmm_op, (xr, wr, gst, None, False, "", 0, 0, 0),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(rd.ops.tgmm_op, (x, torch.randn(10, 128), gst, "", 0, 0, 0))
+
+
+def test_torch_compile_fullgraph():
+    gs = [3, 0, 5]
+    x, w, gst = _inputs(10, 128, 128, gs)
+
+    def f(x, w, gs):
+        return torch.relu(rd.gmm(x, w, gs, transpose_rhs=True)) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, gst), f(x, w, gst))
+    xr = x.clone().requires_grad_(True)
+    compiled(xr, w, gst).sum().backward()
+    xe = x.clone().requires_grad_(True)
+    f(xe, w, gst).sum().backward()
+    torch.testing.assert_close(xr.grad, xe.grad)
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_gmm_op_in_tpu_interpret_mode(tpu_interpret):
+    gs = [5, 0, 9]
+    x, w, gst = _inputs(16, 128, 128, gs)
+    out = rd.gmm(x, w, gst)
+    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs),
+                               rtol=1e-5, atol=1e-4)
+
+
+def _bad_calls():
+    x, w, gs = _inputs(12, 128, 64, [4, 8])
+    wq = torch.zeros(2, 128, 64, dtype=torch.int8)
+    return [
+        ("rhs.*K=96", lambda: rd.gmm(x, torch.zeros(2, 96, 64), gs), ValueError),
+        ("group_sizes.*shape \\(2,\\)", lambda: rd.gmm(x, w, torch.tensor([4, 4, 4])), ValueError),
+        ("group_sizes.*int32 or int64", lambda: rd.gmm(x, w, gs.float()), TypeError),
+        ("group_sizes.*non-negative", lambda: rd.gmm(x, w, torch.tensor([-1, 5])), ValueError),
+        ("group_sizes.*sum 20 exceeds", lambda: rd.gmm(x, w, torch.tensor([10, 10])), ValueError),
+        ("lhs.*2-D", lambda: rd.gmm(x[None], w, gs), ValueError),
+        ("rhs.*3-D", lambda: rd.gmm(x, w[0], gs), ValueError),
+        ("lhs.*dtype", lambda: rd.gmm(x.to(torch.float16), w, gs), TypeError),
+        ("rhs.*must match lhs", lambda: rd.gmm(x, w.to(torch.bfloat16), gs), TypeError),
+        ("rhs.*dtype", lambda: rd.gmm(x, w.to(torch.int32), gs), TypeError),
+        ("scales.*needs", lambda: rd.gmm(x.bfloat16(), wq, gs), ValueError),
+        ("scales.*shape", lambda: rd.gmm(x.bfloat16(), wq, gs, torch.ones(2, 63)), ValueError),
+        ("scales.*only int8", lambda: rd.gmm(x, w, gs, torch.ones(2, 64)), ValueError),
+        ("group_sizes.*on meta", lambda: rd.gmm(x, w, gs.to("meta")), ValueError),
+        ("rhs.*on meta", lambda: rd.gmm(x, w.to("meta"), gs), ValueError),
+        ("dout.*rows", lambda: rd.tgmm(x, torch.zeros(11, 64), gs), ValueError),
+        ("out_dtype", lambda: rd.gmm(x, w, gs, out_dtype=torch.int32), TypeError),
+        ("group_offset", lambda: rd.ragged_dot(x, w, gs, group_offset=gs), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("idx", range(len(_bad_calls())))
+def test_bad_input_raises_before_kernel(idx, monkeypatch):
+    pattern, call, exc = _bad_calls()[idx]
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel ran before validation")
+
+    monkeypatch.setattr(rd.ops, "gmm_op", no_kernel)
+    monkeypatch.setattr(rd.ops, "tgmm_op", no_kernel)
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_hub_loading_offline(monkeypatch):
+    import kernels
+
+    kernel_loader.use_offline_hub(monkeypatch)
+    hub = kernels.get_kernel(kernel_loader.repo_id("ragged_dot"), version=1, trust_remote_code=True)
+    x, w, gs = _inputs(8, 128, 128, [3, 5])
+    torch.testing.assert_close(hub.ragged_dot(x, w, gs).double(),
+                               _ref_gmm(x.double(), w.double(), [3, 5]), rtol=1e-5, atol=1e-4)
