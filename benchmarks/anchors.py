@@ -241,25 +241,16 @@ def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
 
 
 def flash_call(shape, block: int = FLASH_BLOCK):
-    """(fn, args) running flash_attention on random data (K/V already at q_heads: the kernel's own
-    traffic, without the repeat)."""
+    """(fn, args) running flash_attention on random data: k/v at kv_heads, repeated to q_heads by
+    XLA inside fn (the interpreter counts only the kernel's own traffic)."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    dt = _jnp_dtype(shape.dtype)
+    fn, avals = flash_compile_args(shape, block)
     key = jax.random.key(1)
-    qshape = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
-    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), qshape, jnp.float32).astype(dt)
-               for i in range(3))
-    bs = fa.BlockSizes(block_q=min(block, shape.seq), block_k_major=min(block, shape.seq),
-                       block_k=min(block, shape.seq), block_b=1)
-
-    def fn(q, k, v):
-        return fa.flash_attention(q, k, v, causal=shape.causal, sm_scale=shape.head_dim ** -0.5,
-                                  block_sizes=bs)
-
-    return fn, (q, k, v)
+    args = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
+                 for i, (s, dt) in enumerate(avals))
+    return fn, args
 
 
 def flash_compile_args(shape, block: int = FLASH_BLOCK):
@@ -359,7 +350,8 @@ def rpa_cost(shape, pages_per_block=None):
         vmem_bytes=(4 * bq * hq_blk * d * isz + 2 * pages_blk * shape.page_size * hkv2_blk * d * isz
                     + 2 * (hkv2_blk // 2) * bq * group * 128 * 4 + bq * hq_blk * d * 4),
     )
-    notes = ["closed form only: does not run in TPU interpret mode (jax 0.10.2)"]
+    notes = [f"{dmas:,} page DMAs, issued from a loop inside its {steps} grid steps: the "
+             "per-grid-step overhead of the model does not see that loop"]
     if shape.window is not None:
         notes.append("sliding window masks but still fetches every page")
     return cost, {"pages_per_block": pages_blk, "queries_per_block": bq, "dmas": dmas,

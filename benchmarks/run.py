@@ -348,18 +348,21 @@ def run_section(small: bool, kinds, log, do_compile: bool) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 
-def measure_on_device(section: dict, kinds, log, iters: int = 20) -> None:
+def measure_on_device(section: dict, kinds, log, iters: int = 20, warmup: int = 3,
+                      device=None, generation: str | None = None, small: bool = False) -> None:
     """Time every row of a section on the attached TPU with the JAX TPU backend (median of
-    `iters` runs after warm-up, each synchronised with block_until_ready)."""
+    `iters` runs after `warmup` calls, each synchronised with block_until_ready). `device` and
+    `generation` default to the first TPU and its generation (the tests pass the CPU)."""
     import jax
     import numpy as np
     import ours
     from tpu_generations import detect_generation
 
-    gen = detect_generation()
+    gen = generation or detect_generation()
     if gen is None:
         raise SystemExit("--device tpu: no TPU visible to JAX (jax.devices('tpu') failed)")
-    table = {s.name: s for k in kinds for s in shapes_mod.NAMED[k]}
+    device = device or jax.devices("tpu")[0]
+    table = {s.name: s for k in kinds for s in (shapes_mod.SMALL if small else shapes_mod.NAMED)[k]}
     for row in section["rows"]:
         if row["kernel"] not in kinds:
             continue
@@ -368,14 +371,14 @@ def measure_on_device(section: dict, kinds, log, iters: int = 20) -> None:
         if row["impl"] != "ours":
             a = _anchor(kind, row["impl"])
             fn, _ = a.compile_args(shape)
-            _, args = a.call(shape, False)
+            _, args = a.call(shape, small)
         else:
             a = ours.ADAPTERS[kind]
             fn, _ = a.compile_args(shape, gen)
             _, args = a.call(shape, gen)
-        args = jax.device_put(args, jax.devices("tpu")[0])
+        args = jax.device_put(args, device)
         f = jax.jit(fn)
-        for _ in range(3):
+        for _ in range(warmup):
             jax.block_until_ready(f(*args))
         times = []
         for _ in range(iters):

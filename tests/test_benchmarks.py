@@ -238,3 +238,27 @@ def test_benchmark_file_runs_on_cpu(path, monkeypatch):
     for name, timing in results.items():
         assert timing.verified is not False, name
         assert timing.mean_ms > 0, name
+
+
+@pytest.mark.timeout(300)
+def test_device_timing_path_runs(small_section):
+    """The --device tpu timing loop, run here on the CPU device in TPU interpret mode on the
+    smallest flash-attention rows (the real thing needs a TPU): every row gets a measured time
+    and an achieved fraction of its roofline."""
+    import copy
+
+    import run
+
+    rows = [copy.deepcopy(r) for r in small_section["rows"]
+            if r["shape"] == "small_causal_512" and r["impl"] in ("ours", "anchor:flash_attention")]
+    assert len(rows) == 2
+    section = {"rows": rows, "missing": {}, "generations": ["v6e"]}
+    with pltpu.force_tpu_interpret_mode(dma_counter.interpret_params()):
+        run.measure_on_device(section, ("flash_attention",), log=lambda m: None, iters=1,
+                              warmup=0, device=jax.devices("cpu")[0], generation="v6e",
+                              small=True)
+    for r in rows:
+        pg = r["per_generation"]["v6e"]
+        assert pg["measured_us"] > 0
+        assert pg["measured_fraction_of_roofline"] == pytest.approx(
+            pg["roofline_us"] / pg["measured_us"], rel=1e-4)

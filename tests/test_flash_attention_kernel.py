@@ -183,7 +183,7 @@ def varlen_configs(draw):
 
 
 @pytest.mark.sweep
-@settings(max_examples=N_EXAMPLES)
+@settings(max_examples=max(3, N_EXAMPLES // 2))  # each example compiles a fresh list builder
 @given(varlen_configs())
 def test_varlen_forward_and_grads_sweep(config):
     lens_q, lens_k, causal, window, softcap, sinks, dtype = config

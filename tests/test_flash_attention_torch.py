@@ -203,3 +203,34 @@ def test_bad_inputs_raise_before_kernel(name, fn, exc, match, monkeypatch):
     monkeypatch.setattr(fa.ops.kernel, "flash_attention_fwd", boom)
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_torch_compile_dynamic_shapes():
+    f = torch.compile(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                      dynamic=True, backend="aot_eager")
+    for s in (20, 33):  # the second length reuses the symbolic graph
+        q, k, v = (x.detach() for x in _inputs(1, s, s, 4, 2, 64, torch.float32, seed=s))
+        torch.testing.assert_close(f(q, k, v), fa.flash_attn_func(q, k, v, causal=True))
+
+
+def test_attention_forward_window_softcap_sinks_and_padding():
+    """The Transformers attention function: [B, H, S, D] in, [B, S, H, D] out; sliding_window
+    counts the current token (left window = sliding_window - 1); padded keys/queries drop out."""
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    B, S, H, Hkv, D, sw = 2, 30, 4, 2, 64, 9
+    q, k, v = (x.detach() for x in _inputs(B, S, S, H, Hkv, D, torch.float32, seed=11))
+    s_aux = torch.randn(H)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :7] = 0  # left padding
+    out, weights = fa.attention_forward(Module(), q.transpose(1, 2), k.transpose(1, 2),
+                                        v.transpose(1, 2), mask, scaling=0.1, sliding_window=sw,
+                                        softcap=20.0, s_aux=s_aux)
+    assert weights is None and out.shape == (B, S, H, D)
+    for b, start in ((0, 0), (1, 7)):
+        want = _torch_ref(q[b:b + 1, start:], k[b:b + 1, start:], v[b:b + 1, start:], causal=True,
+                          window=(sw - 1, -1), softcap=20.0, s_aux=s_aux, scale=0.1)
+        torch.testing.assert_close(out[b:b + 1, start:], want, atol=2e-5, rtol=2e-5)
+    assert torch.all(out[1, :7] == 0)

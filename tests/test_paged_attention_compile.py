@@ -22,19 +22,20 @@ PA = kernel_loader.load_kernel("paged_attention")
 SEQS, CTX, HQ, HKV, D = 64, 8192, 32, 8, 128
 
 
-def _compile(generation, page_size, tokens, separate=False):
-    pages = CTX // page_size
+def _compile(generation, page_size, tokens, separate=False, config=None, seqs=SEQS, ctx=CTX):
+    pages = ctx // page_size
     c = HKV if separate else 2 * HKV
-    cache = ((SEQS * pages, c, page_size, D), jnp.bfloat16)
-    fn = functools.partial(PA.kernel.ragged_paged_attention, generation=generation, interpret=False)
+    cache = ((seqs * pages, c, page_size, D), jnp.bfloat16)
+    fn = functools.partial(PA.kernel.ragged_paged_attention, generation=generation,
+                           config=config, interpret=False)
     extra = {"v_pages": cache} if separate else {}
     return tpu_compile.compile_for(
-        generation, fn, ((tokens, HQ, D), jnp.bfloat16), cache, ((SEQS,), jnp.int32),
-        ((SEQS, pages), jnp.int32), ((SEQS + 1,), jnp.int32), ((1,), jnp.int32), **extra)
+        generation, fn, ((tokens, HQ, D), jnp.bfloat16), cache, ((seqs,), jnp.int32),
+        ((seqs, pages), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32), **extra)
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_decode_batch_compiles(generation, page_size):
     compiled = _compile(generation, page_size, SEQS)
     # Only the kernel's small work-list / q layout temporaries: no copy of the 2 GiB cache.
@@ -51,6 +52,17 @@ def test_mixed_batch_with_prefill_chunk_compiles(generation, page_size):
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
 def test_separate_kv_caches_compile(generation):
     _compile(generation, 32, SEQS, separate=True)
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+def test_streamed_page_table_compiles(generation):
+    """The streamed page-table path forced at the decode batch; on TPU7x also 128 sequences x
+    16384-token contexts in 16-token pages (an 8 GiB cache), whose 512 KiB page table is streamed
+    by default."""
+    _compile(generation, 64, SEQS, config=PA.tiling.PagedAttentionConfig(stream_page_table=True))
+    if generation == "tpu7x":
+        assert PA.tiling.streams_page_table(128, 1024, PA.tiling.PagedAttentionConfig())
+        _compile(generation, 16, 128, seqs=128, ctx=16384)
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)

@@ -2,7 +2,10 @@
 
 `generate_batch` (continuous batching) loads the built package as a Hub kernel (LOCAL_KERNELS maps
 the repo id to the local build) and must give, for every prompt, the greedy tokens of plain
-`generate` with eager attention; `register()`'s attention function must do the same for `generate`.
+`generate` with eager attention: through `flash_attn_varlen_func` (what Transformers 5.22.2 does
+on CPU/TPU), and with Transformers' CUDA/XPU-only gate on its block-table decode path lifted,
+through `flash_attn_with_kvcache` on Transformers' own paged cache and page table.
+`register()`'s attention function must match plain `generate` too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ pytestmark = pytest.mark.e2e
 PA = kernel_loader.load_kernel("paged_attention")
 PROMPTS = [[1, 5, 9, 3], [7, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
 NEW_TOKENS = 6
+
+
+def _cb_config():
+    # A small paged cache: Transformers' default sizing allocates most of the host memory.
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(block_size=16, num_blocks=32, max_batch_tokens=64,
+                                    max_blocks_per_request=4)
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +47,54 @@ def model_and_reference():
     return model, gc, want
 
 
-@pytest.mark.timeout(600)
-def test_generate_batch_matches_generate(model_and_reference, monkeypatch):
-    model, gc, want = model_and_reference
+def _generate_batch(model, gc, monkeypatch):
     repo = PA.integration.HUB_ATTN_IMPLEMENTATION.split(":")[0]
     assert repo == kernel_loader.repo_id("paged_attention")
     root = kernel_loader.variant_path("paged_attention").parent.parent
     monkeypatch.setenv("LOCAL_KERNELS", f"{repo}={root}")
-    calls = []
-    orig = PA.ops.varlen_op
-    # Transformers loads the same build (same op namespace and module); count the kernel's calls.
-    monkeypatch.setattr(PA.ops, "varlen_op", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = {"varlen": 0, "kvcache": 0}
+
+    def counting(name, op):
+        def run(*a, **k):
+            calls[name] += 1
+            return op(*a, **k)
+        return run
+
+    # Transformers loads the same build (same op namespace and module): count the kernel's calls.
+    monkeypatch.setattr(PA.ops, "varlen_op", counting("varlen", PA.ops.varlen_op))
+    monkeypatch.setattr(PA.ops, "kvcache_op", counting("kvcache", PA.ops.kvcache_op))
     model.set_attn_implementation(PA.integration.HUB_ATTN_IMPLEMENTATION)
     try:
         with torch.no_grad():
-            res = model.generate_batch(inputs=PROMPTS, generation_config=gc)
+            res = model.generate_batch(inputs=PROMPTS, generation_config=gc,
+                                       continuous_batching_config=_cb_config())
     finally:
         model.set_attn_implementation("eager")
-    got = [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+    return [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))], calls
+
+
+@pytest.mark.timeout(600)
+def test_generate_batch_matches_generate(model_and_reference, monkeypatch):
+    model, gc, want = model_and_reference
+    got, calls = _generate_batch(model, gc, monkeypatch)
     assert got == want
-    assert calls, "generate_batch did not run the paged kernel"
+    assert calls["varlen"] > 0, "generate_batch did not run the paged kernel"
+
+
+@pytest.mark.timeout(600)
+def test_generate_batch_block_table_path(model_and_reference, monkeypatch):
+    """Transformers enables its block-table decode path only for flash attention on CUDA/XPU
+    (continuous_batching.initialization.ensure_decode_fast_path_is_available). With that gate
+    lifted, decode steps call our flash_attn_with_kvcache on Transformers' paged cache with its
+    page table, and the tokens still match."""
+    from transformers.generation.continuous_batching import initialization
+
+    monkeypatch.setattr(initialization, "ensure_decode_fast_path_is_available",
+                        lambda config, cb_config, user_requested: None)
+    model, gc, want = model_and_reference
+    got, calls = _generate_batch(model, gc, monkeypatch)
+    assert got == want
+    assert calls["kvcache"] > 0, "the block-table path did not reach flash_attn_with_kvcache"
 
 
 @pytest.mark.timeout(600)

@@ -107,14 +107,15 @@ def test_matches_reference(kind, opts, data):
     assert not out[int(b["cu"][-1]):].any()
 
 
-@pytest.mark.parametrize("config", [tiling.PagedAttentionConfig(block_q=8, pages_per_block=2),
-                                    tiling.PagedAttentionConfig(block_q=4, pages_per_block=1)],
-                         ids=["bq8_ppb2", "bq4_ppb1"])
+@pytest.mark.parametrize("config", [
+    tiling.PagedAttentionConfig(block_q=8, pages_per_block=2),
+    tiling.PagedAttentionConfig(block_q=4, pages_per_block=1, stream_page_table=True),
+], ids=["bq8_ppb2", "bq4_ppb1_streamed_page_table"])
 @settings(max_examples=6)
 @given(batch=batches("mixed"))
 def test_small_tiles_and_separate_kv(config, batch):
     """Several q blocks per sequence and several KV blocks per (q block, sequence); the
-    flash-attn style separate K and V caches."""
+    separate K and V caches; the page table streamed from HBM one row per item."""
     q_lens, kv_lens, seed = batch
     b = make_batch(np.random.default_rng(seed), q_lens, kv_lens, separate=True)
     run_and_check(b, config=config, sliding_window=24)
@@ -128,7 +129,7 @@ def test_non_causal_and_bf16():
     run_and_check(b, soft_cap=20.0, tol=3e-2)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(batch=batches("mixed"), window=st.sampled_from([None, 1, 17, 40]),
        bq=st.sampled_from([4, 8, 40]), ppb=st.sampled_from([1, 2, 5]))
 def test_work_list_matches_host_twin(batch, window, bq, ppb):
@@ -180,15 +181,21 @@ def test_write_kv_bit_exact(batch):
     assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
 
 
-def test_smem_bound_raises():
-    """Tables that do not fit the SMEM budget are refused before tracing the kernel."""
-    big_pt = jax.ShapeDtypeStruct((512, 1024), np.int32)
+def _shapes(seqs, pages, tokens):
+    return (jax.ShapeDtypeStruct((tokens, 4, 128), np.float32),
+            jax.ShapeDtypeStruct((8, 4, 16, 128), np.float32),
+            jax.ShapeDtypeStruct((seqs,), np.int32), jax.ShapeDtypeStruct((seqs, pages), np.int32),
+            jax.ShapeDtypeStruct((seqs + 1,), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
+
+
+def test_smem_bound():
+    """A page table over PAGE_TABLE_SMEM_BYTES is streamed (the call traces); a work list over
+    the SMEM budget is refused with a ValueError before the kernel is traced."""
+    f = functools.partial(kernel.ragged_paged_attention, interpret=True)
+    assert tiling.streams_page_table(512, 1024, tiling.PagedAttentionConfig())
+    assert jax.eval_shape(f, *_shapes(512, 1024, 512)).shape == (512, 4, 128)
     with pytest.raises(ValueError, match="SMEM"):
-        jax.eval_shape(functools.partial(kernel.ragged_paged_attention, interpret=True),
-                       jax.ShapeDtypeStruct((512, 4, 128), np.float32),
-                       jax.ShapeDtypeStruct((8, 4, 16, 128), np.float32),
-                       jax.ShapeDtypeStruct((512,), np.int32), big_pt,
-                       jax.ShapeDtypeStruct((513,), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
+        jax.eval_shape(f, *_shapes(4096, 1024, 4096))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -225,9 +232,10 @@ def _races_found():
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", [
-    dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, separate=False),
-    dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, separate=True),
-], ids=["mixed", "window_separate"])
+    dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, separate=False, stream=False),
+    dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, separate=True, stream=False),
+    dict(q_lens=[1, 5, 1], kv_lens=[9, 40, 31], window=None, separate=False, stream=True),
+], ids=["mixed", "window_separate", "streamed_page_table"])
 def test_tpu_interpret(case, dma_log):
     """Races, NaN-filled uninitialised VMEM and out-of-bounds reads raise or show; the output
     matches; the manual DMAs move exactly the pages tiling.traffic predicts."""
@@ -237,7 +245,8 @@ def test_tpu_interpret(case, dma_log):
     slots, pages, tokens, hq, hkv = 3, 3, 8, 2, 1
     b = make_batch(np.random.default_rng(7), case["q_lens"], case["kv_lens"], num_slots=slots,
                    pages_per_seq=pages, tokens=tokens, hq=hq, hkv=hkv, separate=case["separate"])
-    cfg = tiling.PagedAttentionConfig(pages_per_block=1)
+    cfg = tiling.PagedAttentionConfig(pages_per_block=1, stream_page_table=case["stream"],
+                                      block_q=4 if case["stream"] else None)
     f = jax.jit(functools.partial(kernel.ragged_paged_attention, config=cfg,
                                   sliding_window=case["window"], interpret=tpu_interpret_params()))
     out = np.asarray(f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"]))
@@ -250,8 +259,9 @@ def test_tpu_interpret(case, dma_log):
                        max_num_seqs=slots, num_tokens=tokens, q_dtype="float32",
                        kv_dtype="float32", sliding_window=case["window"],
                        separate_kv=case["separate"], config=cfg)
-    assert len(dma_log) == t["kv_dmas"]
-    assert sum(n for n, _, _ in dma_log) == t["kv_dma_bytes"]
+    assert t["stream_page_table"] == case["stream"]
+    assert len(dma_log) == t["kv_dmas"] + t["pt_dmas"]
+    assert sum(n for n, _, _ in dma_log) == t["kv_dma_bytes"] + t["pt_dma_bytes"]
 
 
 @pytest.mark.tpu_interpret

@@ -70,6 +70,23 @@ def test_tgmm_and_ragged_dot_match_reference():
                                rtol=1e-5, atol=1e-4)
 
 
+def test_tiling_override_through_torch():
+    gs = [5, 0, 14, 20]
+    x, w, gst = _inputs(48, 200, 256, gs, torch.bfloat16, transpose_rhs=True, seed=4)
+    out = rd.gmm(x, w, gst, transpose_rhs=True, out_dtype=torch.float32,
+                 tiling={"tm": 16, "tk": 128, "tn": 128})
+    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs, True),
+                               rtol=1e-5, atol=1e-3)
+    dout = torch.randn(48, 256).to(torch.bfloat16)
+    got = rd.tgmm(x, dout, gst, out_dtype=torch.float32, tiling={"tm": 16, "tk": 128})
+    starts = np.r_[0, np.cumsum(gs)[:-1]]
+    ref = torch.stack([x[s:s + g].double().T @ dout[s:s + g].double()
+                       for s, g in zip(starts, gs)])
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="tiling"):
+        rd.gmm(x, w, gst, transpose_rhs=True, tiling={"tm": 10})
+
+
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 def test_quantised_gmm_torch(qdtype):
     gs = [5, 0, 11]

@@ -19,7 +19,7 @@ items at the end repeat the last item's block indices (no copy) and do nothing. 
 no pair touches gets one "dummy" item so its output is still written (zeros).
 
 Forward: per item, the kv tile (block_kv rows, one DMA) is processed in block_kv_compute slices;
-a slice the band leaves empty is skipped. Online softmax keeps f32 running max m and sum l per
+a slice the band leaves empty is skipped, and a slice wholly inside the band runs without a mask. Online softmax keeps f32 running max m and sum l per
 row in VMEM scratch (an attention sink starts them at m = sink, l = 1). At the last item of a q
 block the output and the log-sum-exp (lse, used by the backward) are written.
 
@@ -166,7 +166,6 @@ def build_work_list(seqs, nq, nk, block_q, block_kv, band: Band, *, kv_major: bo
         qi = xp.where(real, qi, qi[src])
     else:
         ki = xp.where(real, ki, ki[src])
-    outer = ki if kv_major else qi
     # Padding items repeat the last live item: same block indices, no copy.
     last = xp.maximum(count - 1, 0)
     qi = xp.where(live, qi, qi[last])
@@ -267,20 +266,16 @@ def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, bloc
     q_lo_c = jnp.maximum(q_lo_blk, seq[0])
     q_hi_c = jnp.minimum(q_hi_blk, seq[1])
 
-    for c in range(block_kv // block_kv_compute):
-        u0 = ki * block_kv + c * block_kv_compute
-        k_lo_c = jnp.maximum(u0, seq[2])
-        k_hi_c = jnp.minimum(u0 + block_kv_compute, seq[3])
-        live = ((flags & VALID) != 0) & _rect_nonempty(jnp, q_lo_c, q_hi_c, k_lo_c, k_hi_c, seq[4], band)
-
-        @pl.when(live)
-        def _step(c=c, u0=u0):
-            q = q_ref[...].reshape(rows, q_ref.shape[-1])
-            k = k_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
-            v = v_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-            s, _ = _scores(s, scale, softcap)
+    def step(c, u0, masked):
+        q = q_ref[...].reshape(rows, q_ref.shape[-1])
+        k = k_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
+        v = v_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        s, _ = _scores(s, scale, softcap)
+        m_prev = m_ref[:, 0:1]
+        l_prev = l_ref[:, 0:1]
+        if masked:
             shape = (rows, block_kv_compute)
             # Rows stack G heads of block_q tokens: the token is the row index mod block_q.
             t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + q_lo_blk
@@ -291,18 +286,38 @@ def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, bloc
                 qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
                 ks = kseg_ref[0:1, pl.ds(c * block_kv_compute, block_kv_compute)]
                 mask = mask & (qs == ks)
-            m_prev = m_ref[:, 0:1]
-            l_prev = l_ref[:, 0:1]
             m_cur = jnp.max(jnp.where(mask, s, NEG_INF), axis=1, keepdims=True)
             m_new = jnp.maximum(m_prev, m_cur)
-            alpha = jnp.exp(m_prev - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-            l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-            acc_ref[...] = acc_ref[...] * alpha + pv
-            m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-            l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+        else:
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * alpha + pv
+        m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+    for c in range(block_kv // block_kv_compute):
+        u0 = ki * block_kv + c * block_kv_compute
+        u1 = u0 + block_kv_compute
+        k_lo_c = jnp.maximum(u0, seq[2])
+        k_hi_c = jnp.minimum(u1, seq[3])
+        live = ((flags & VALID) != 0) & _rect_nonempty(jnp, q_lo_c, q_hi_c, k_lo_c, k_hi_c, seq[4], band)
+        if has_segments:
+            pl.when(live)(functools.partial(step, c, u0, True))
+            continue
+        # A tile wholly inside its sequence and the band needs no mask: most tiles of a long
+        # sequence, and the mask costs as much VPU work as the softmax itself.
+        interior = ((q_lo_blk >= seq[0]) & (q_hi_blk <= seq[1]) & (u0 >= seq[2]) & (u1 <= seq[3]))
+        if band.hi < _UNBOUNDED:
+            interior = interior & ((u1 - 1) - q_lo_blk + seq[4] <= band.hi)
+        if band.lo > -_UNBOUNDED:
+            interior = interior & (u0 - (q_hi_blk - 1) + seq[4] >= band.lo)
+        pl.when(live & interior)(functools.partial(step, c, u0, False))
+        pl.when(live & jnp.logical_not(interior))(functools.partial(step, c, u0, True))
 
     @pl.when((flags & LAST) != 0)
     def _finish():

@@ -1,27 +1,29 @@
-"""Transformers glue: an attention function for continuous batching (`generate_batch`) and plain
-forward passes, registered by `register()`.
+"""Transformers glue: how `generate_batch` (continuous batching) and `generate` run through the
+paged kernel.
 
-What Transformers 5.22.2 gives an attention function during continuous batching on CPU/TPU: all
+What Transformers 5.22.2 hands an attention function during continuous batching on CPU/TPU: all
 sequences packed into batch 1, `cu_seq_lens_q/k`, and a `PagedAttentionCache` whose `update()`
-writes the new K/V into its own paged tensors and hands back K/V gathered per sequence through
-`read_index` (packed, [1, Hkv, Tk, D]). The block-table path (`block_table`, `k_cache`, `v_cache`
-kwargs, calling `flash_attn_with_kvcache` on the cache pages) is switched on only for flash
-attention on CUDA or XPU (`initialization.ensure_decode_fast_path_is_available`), so on TPU and
-CPU the kernel cannot be handed the page table. `attention_forward` therefore runs both cases:
+writes the new K/V into its own paged tensors and returns K/V gathered per sequence through
+`read_index` (packed). Its block-table path (the `block_table`, `k_cache`, `v_cache` kwargs, with
+which Transformers' flash wrapper calls the kernel's `flash_attn_with_kvcache` on the cache pages
+and the real page table) is switched on only for flash attention on CUDA or XPU
+(`continuous_batching.initialization.ensure_decode_fast_path_is_available`), and only for
+decode-only batches. Continuous batching also accepts only attention names containing "flash",
+and Transformers resolves those to flash-attn packages or Hub kernel repos, never to a locally
+registered function.
 
-- block_table present (decode fast path, if Transformers ever enables it for this device):
-  `flash_attn_with_kvcache` directly on Transformers' cache pages and block table;
-- otherwise: the packed K/V through `flash_attn_varlen_func` (the paged kernel over K/V scattered
-  into 16-token pages: one extra copy of the gathered K/V per layer).
+So generate_batch loads this package as a Hub kernel:
+`model.set_attn_implementation(HUB_ATTN_IMPLEMENTATION)` (the repo id plus
+":flash_attn_varlen_func", which puts "flash" in the name; LOCAL_KERNELS can map the repo id to a
+local build). Transformers then calls our `flash_attn_varlen_func` on the gathered K/V (the paged
+kernel over K/V scattered into 16-token pages: one extra copy of the gathered K/V per layer), and,
+where the block-table path is on, our `flash_attn_with_kvcache` with Transformers' page table
+(tested on CPU with the device gate lifted: same greedy tokens). What is missing for the direct
+page-table path on TPU is in Transformers: the device gate, a block-table path for prefill /
+mixed batches, and a head-major cache layout (its pages are [blocks, block_size, kv_heads, D], so
+flash_attn_with_kvcache gives the kernel a head-major copy of the caches on every call).
 
-Continuous batching (`generate_batch`) only accepts attention names containing "flash", and
-Transformers resolves those to flash-attn packages or Hub kernel repos, never to a locally
-registered function. So generate_batch runs this kernel through the Hub-kernel path:
-`model.set_attn_implementation(HUB_ATTN_IMPLEMENTATION)` (the repo id with ":flash_attn_varlen_func",
-which puts "flash" in the name; LOCAL_KERNELS can map the repo id to a local build). Transformers
-then calls our `flash_attn_varlen_func` with the gathered K/V (and would call our
-`flash_attn_with_kvcache` with its page table where it enables the block-table path). `register()`
-covers plain forward / `generate` under ATTN_IMPLEMENTATION.
+`register()` covers plain forward / `generate` under ATTN_IMPLEMENTATION (unpadded batches).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from . import ops
 # The name `register()` uses for plain forward / generate. Continuous batching accepts only
 # "paged|eager", "sdpa" or names containing "flash", and Transformers resolves every "flash" name
 # to a flash-attn package or a Hub kernel repo, so generate_batch loads this package as a Hub
-# kernel instead: HUB_ATTN_IMPLEMENTATION (see README of the kernel card / module docstring).
+# kernel instead: HUB_ATTN_IMPLEMENTATION (module docstring).
 ATTN_IMPLEMENTATION = "paged_attention_tpu"
 HUB_ATTN_IMPLEMENTATION = "pallas-tpu-kernels/paged-attention-tpu:flash_attn_varlen_func"
 
@@ -53,19 +55,7 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    block_table = kwargs.get("block_table")
-    if block_table is not None and kwargs.get("k_cache") is not None:
-        cu_k = kwargs["cu_seq_lens_k"]
-        n = block_table.shape[0]
-        qd = q.reshape(-1, 1, *q.shape[-2:])[:n]
-        kd = k.reshape(-1, 1, *k.shape[-2:])[:n]
-        vd = v.reshape(-1, 1, *v.shape[-2:])[:n]
-        out = ops.flash_attn_with_kvcache(
-            qd, kwargs["k_cache"], kwargs["v_cache"], kd, vd,
-            cache_seqlens=(cu_k[1:n + 1] - cu_k[:n] - 1), block_table=block_table,
-            softmax_scale=scaling, causal=is_causal, window_size=window, softcap=cap)
-        return out.reshape(q.shape[0], -1, *out.shape[-2:]), None
-    if "cu_seq_lens_q" in kwargs and kwargs.get("cu_seq_lens_q") is not None:
+    if kwargs.get("cu_seq_lens_q") is not None:
         cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
             cu_k = next(iter(cu_k.values()))

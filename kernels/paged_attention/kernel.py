@@ -107,13 +107,20 @@ def _paged_kernel(
     *refs,
     n_arr: int, num_kv_heads: int, head_dim: int, group: int, block_q: int, page_size: int,
     pages_per_block: int, pages_per_seq: int, max_items: int, narrow: int, sm_scale: float,
-    soft_cap: float | None, sliding_window: int | None, causal: bool,
+    soft_cap: float | None, sliding_window: int | None, causal: bool, stream_pt: bool,
 ):
     q_ref = refs[0]
     caches = refs[1:1 + n_arr]
-    o_ref = refs[1 + n_arr]
-    bufs = refs[2 + n_arr:2 + 2 * n_arr]
-    sem, m_ref, l_ref, acc_ref = refs[2 + 2 * n_arr:]
+    refs = refs[1 + n_arr:]
+    if stream_pt:  # the page table stays in HBM: [S, 1, pages_per_seq]
+        pt_hbm, refs = refs[0], refs[1:]
+    o_ref = refs[0]
+    bufs = refs[1:1 + n_arr]
+    sem = refs[1 + n_arr]
+    refs = refs[2 + n_arr:]
+    if stream_pt:  # SMEM copies of two items' page-table rows, and their semaphores
+        ids_ref, ids_sem, refs = refs[0], refs[1], refs[2:]
+    m_ref, l_ref, acc_ref = refs
     rows = block_q * group
     kv_tok = pages_per_block * page_size
     row_tile = tiling.row_tile(bufs[0].dtype)
@@ -125,10 +132,22 @@ def _paged_kernel(
     def field(f, j):
         return work_ref[f * max_items + j]
 
-    def copies(j, slot, p, rows=None):
-        """DMAs of page p of item j into `slot` (rows=(offset, size): only those rows)."""
+    def ids_copy(j):
+        """DMA of item j's page-table row into SMEM slot j % 2 (streamed page tables)."""
         seq = jnp.maximum(field(1, j), 0)
-        page = pt_ref[seq * pages_per_seq + field(2, j) + p]
+        slot = lax.rem(j, 2)
+        return pltpu.make_async_copy(pt_hbm.at[seq], ids_ref.at[slot], ids_sem.at[slot])
+
+    def copies(j, slot, p, rows=None, start=True):
+        """DMAs of page p of item j into `slot` (rows=(offset, size): only those rows). A wait
+        needs only the semaphore and the shape, so waits use page 0 and never read the table."""
+        if not start:
+            page = 0
+        elif stream_pt:
+            page = ids_ref[lax.rem(j, 2), 0, field(2, j) + p]
+        else:
+            seq = jnp.maximum(field(1, j), 0)
+            page = pt_ref[seq * pages_per_seq + field(2, j) + p]
         if rows is None:
             return [pltpu.make_async_copy(caches[a].at[page], bufs[a].at[slot, p], sem.at[slot, a])
                     for a in range(n_arr)]
@@ -156,13 +175,24 @@ def _paged_kernel(
         for p in range(pages_per_block):
             @pl.when(p < n_full)
             def _():
-                go(copies(j, slot, p))
+                go(copies(j, slot, p, start=start))
 
         for size in chunk_sizes:
             @pl.when((npages > 0) & partial & (lax.rem(lax.div(rows_up, size), 2) == 1))
             def _():
                 off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), row_tile)
-                go(copies(j, slot, last_p, (off, size)))
+                go(copies(j, slot, last_p, (off, size), start=start))
+
+    if stream_pt:
+        # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
+        @pl.when((i == 0) & (nitems > 0))
+        def _():
+            ids_copy(0).start()
+            ids_copy(0).wait()
+
+            @pl.when(nitems > 1)
+            def _():
+                ids_copy(1).start()
 
     @pl.when((i == 0) & (nitems > 0))
     def _():
@@ -171,7 +201,14 @@ def _paged_kernel(
     # Prefetch the next item's pages into the other slot while this one is computed.
     @pl.when(i + 1 < nitems)
     def _():
+        if stream_pt:
+            ids_copy(i + 1).wait()
         fetch(i + 1, lax.rem(i + 1, 2), start=True)
+        if stream_pt:
+            # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
+            @pl.when(i + 2 < nitems)
+            def _():
+                ids_copy(i + 2).start()
 
     qb = field(0, i)
     prev_qb = field(0, jnp.maximum(i - 1, 0))
@@ -314,12 +351,13 @@ def ragged_paged_attention(
     max_items = cfg.max_items or tiling.max_items_bound(
         num_q_blocks=nqb, max_num_seqs=S, pages_per_seq=pages_per_seq, pages_per_block=ppb,
         block_q=bq, page_size=page_size, sliding_window=sliding_window if causal else None)
-    smem = 4 * (S + S + 1 + S * pages_per_seq + 4 * max_items + 1)
+    stream_pt = tiling.streams_page_table(S, pages_per_seq, cfg)
+    smem = tiling.smem_bytes(S, pages_per_seq, max_items, stream_pt)
     if smem > tiling.SMEM_BUDGET_BYTES:
         raise ValueError(
-            f"page table ({S} x {pages_per_seq}) and work list ({max_items} items) need {smem} bytes "
-            f"of SMEM, over the {tiling.SMEM_BUDGET_BYTES}-byte budget: split the batch, use larger "
-            "pages, or pass config=PagedAttentionConfig(pages_per_block=...) with more pages")
+            f"work list ({max_items} items) and page table ({S} x {pages_per_seq}, "
+            f"{'streamed' if stream_pt else 'resident'}) need {smem} bytes of SMEM, over the "
+            f"{tiling.SMEM_BUDGET_BYTES}-byte budget: split the batch or use larger pages")
 
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
@@ -337,11 +375,18 @@ def ragged_paged_attention(
     # token-major cache would need a relayout copy of the whole cache here.
     caches = [kv_pages] + ([v_pages] if n_arr == 2 else [])
 
+    page_table = page_table.astype(jnp.int32)
+    if stream_pt:
+        # [S, 1, P]: a sequence's row is a leading-dim slice (tile-aligned for the DMA).
+        pt_smem, pt_hbm = jnp.zeros((1,), jnp.int32), [page_table.reshape(S, 1, pages_per_seq)]
+    else:
+        pt_smem, pt_hbm = page_table.reshape(-1), []
+
     kernel = functools.partial(
         _paged_kernel, n_arr=n_arr, num_kv_heads=hkv, head_dim=d, group=group, block_q=bq,
         page_size=page_size, pages_per_block=ppb, pages_per_seq=pages_per_seq,
         max_items=max_items, narrow=tiling.narrow_rows(group, rows), sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal)
+        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal, stream_pt=stream_pt)
 
     def qo_map(i, kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref):
         return (0, work_ref[i], 0)
@@ -353,11 +398,16 @@ def ragged_paged_attention(
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(max_items,),
-        in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)] + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr,
+        in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * (n_arr + int(stream_pt)),
         out_specs=pl.BlockSpec((hkv, rows, d), qo_map),
         scratch_shapes=[pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_pages.dtype) for _ in range(n_arr)]
         + [
             pltpu.SemaphoreType.DMA((2, n_arr)),
+        ]
+        + ([pltpu.SMEM((2, 1, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
+           if stream_pt else [])
+        + [
             pltpu.VMEM((hkv, rows, 1), jnp.float32),
             pltpu.VMEM((hkv, rows, 1), jnp.float32),
             pltpu.VMEM((hkv, rows, d), jnp.float32),
@@ -372,8 +422,7 @@ def ragged_paged_attention(
             vmem_limit_bytes=cfg.vmem_limit_bytes or vmem_limit_bytes(gen, need)),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(kv_lens, cu_q_lens, page_table.astype(jnp.int32).reshape(-1), work.reshape(-1),
-      total.reshape(1), qh, *caches)
+    )(kv_lens, cu_q_lens, pt_smem, work.reshape(-1), total.reshape(1), qh, *caches, *pt_hbm)
     out = out.reshape(hkv, t_pad, group, d)[:, :T].transpose(1, 0, 2, 3).reshape(T, hq, d)
     return out
 

@@ -11,10 +11,11 @@ Two tile sizes drive the kernel (see kernel.py for the schedule):
 
 The budget model (`vmem_need_bytes`, against `vmem_budget_bytes`) counts every VMEM buffer: the two KV slots (double buffering), the q and output
 blocks (double-buffered by the Pallas pipeline), the f32 accumulator and the softmax statistics,
-and the f32 score/probability temporaries of one head. The SMEM model counts the scalar-prefetched
-page table, sequence metadata and work list; a batch whose tables exceed the SMEM budget is
-rejected with a ValueError (the work list holds only what is needed, but the page table is kept
-whole: see README of the kernel).
+and the f32 score/probability temporaries of one head. The SMEM model (`smem_bytes`) counts the
+scalar-prefetched sequence metadata and work list, and the page table: kept whole in SMEM when it
+is at most PAGE_TABLE_SMEM_BYTES, otherwise streamed (left in HBM, each work item's row DMA'd into
+a two-row SMEM buffer two items ahead). A batch whose work list still exceeds the SMEM budget is
+rejected with a ValueError.
 
 `work_list_numpy` is the host-side twin of `kernel.build_work_list` (same items, same order), used
 by `estimate_cost` to give the exact bytes the kernel's DMAs and BlockSpec copies move.
@@ -32,6 +33,8 @@ from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generat
 MiB = 1 << 20
 # Scalar-prefetched tables may use this much of the 1 MiB SMEM; the rest is left to Mosaic.
 SMEM_BUDGET_BYTES = 768 * 1024
+# A page table larger than this is streamed (one row per work item) instead of kept in SMEM.
+PAGE_TABLE_SMEM_BYTES = 256 * 1024
 # Rows of the MXU left-hand side in the narrow (decode) path.
 NARROW_ROWS = 16
 _NEG_LANES = 128  # a (rows, 1) f32 scratch is padded to 128 lanes in VMEM
@@ -44,6 +47,9 @@ class PagedAttentionConfig:
     block_q: int | None = None  # query tokens per q block
     pages_per_block: int | None = None  # KV pages per work item
     max_items: int | None = None  # static work-list length; default: a proven upper bound
+    # Keep the page table in HBM and DMA each item's row into SMEM (None: when the table is
+    # larger than PAGE_TABLE_SMEM_BYTES).
+    stream_page_table: bool | None = None
     vmem_limit_bytes: int | None = None
 
 
@@ -163,7 +169,21 @@ def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_
     block_q, ppb = choice
     ppb = max(1, min(ppb, pages_per_seq))
     return PagedAttentionConfig(block_q=block_q, pages_per_block=ppb, max_items=config.max_items,
-                                vmem_limit_bytes=config.vmem_limit_bytes)
+                                vmem_limit_bytes=config.vmem_limit_bytes,
+                                stream_page_table=config.stream_page_table)
+
+
+def streams_page_table(num_seqs: int, pages_per_seq: int, config: PagedAttentionConfig) -> bool:
+    if config.stream_page_table is not None:
+        return config.stream_page_table
+    return 4 * num_seqs * pages_per_seq > PAGE_TABLE_SMEM_BYTES
+
+
+def smem_bytes(num_seqs: int, pages_per_seq: int, max_items: int, stream: bool) -> int:
+    """SMEM the kernel uses: kv_lens, cu_q_lens, the work list and its length, and the page table
+    (whole, or two rows when streamed)."""
+    table = 2 * pages_per_seq if stream else num_seqs * pages_per_seq
+    return 4 * (num_seqs + num_seqs + 1 + 4 * max_items + 1 + table)
 
 
 def vmem_budget_bytes(gen: TpuGeneration) -> int:
@@ -231,6 +251,7 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     sum of q_lens). Keys: config, items (the work list), max_items, kv_dmas, kv_dma_bytes (manual
     page DMAs), qo_block_bytes (q blocks read + output blocks written by the BlockSpec pipeline:
     each q block once, as its items are consecutive), smem_bytes (scalar-prefetched tables),
+    stream_page_table, pt_dmas / pt_dma_bytes (page-table rows DMA'd to SMEM when streamed),
     mxu_flops, useful_flops, min_hbm_bytes, vmem_bytes.
     """
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
@@ -272,8 +293,11 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
             kv_rows += r
     row_bytes = 2 * num_kv_heads * head_dim * kv_size  # one token's K and V, all heads
     qo_block = num_kv_heads * rows * head_dim * q_size
-    smem_bytes = 4 * (max_num_seqs + (max_num_seqs + 1) + max_num_seqs * pages_per_seq
-                      + 4 * max_items + 1)
+    stream = streams_page_table(max_num_seqs, pages_per_seq, cfg)
+    # Scalar-prefetched tables (a streamed page table is not prefetched: a 1-entry placeholder).
+    prefetch_bytes = 4 * (max_num_seqs + (max_num_seqs + 1) + 4 * max_items + 1
+                          + (1 if stream else max_num_seqs * pages_per_seq))
+    pt_dmas = len(items) if stream else 0  # one row per work item, empty items included
 
     useful = 0
     min_kv_tokens = 0
@@ -300,7 +324,9 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
                            q_dtype=q_dtype, kv_dtype=kv_dtype)
     return dict(config=cfg, items=items, max_items=max_items,
                 kv_dmas=dmas * (2 if separate_kv else 1), kv_dma_bytes=kv_rows * row_bytes,
-                qo_block_bytes=2 * nqb * qo_block, smem_bytes=smem_bytes, mxu_flops=mxu,
+                qo_block_bytes=2 * nqb * qo_block, smem_bytes=prefetch_bytes,
+                stream_page_table=stream, pt_dmas=pt_dmas, pt_dma_bytes=pt_dmas * 4 * pages_per_seq,
+                mxu_flops=mxu,
                 useful_flops=useful, min_hbm_bytes=min_bytes, vmem_bytes=vmem)
 
 
@@ -317,11 +343,13 @@ def estimate_cost(**kwargs) -> KernelCost:
     the KV buffer)."""
     t = traffic(**kwargs)
     return KernelCost(useful_flops=int(t["useful_flops"]), mxu_flops=int(t["mxu_flops"]),
-                      hbm_bytes=int(t["kv_dma_bytes"] + t["qo_block_bytes"] + t["smem_bytes"]),
+                      hbm_bytes=int(t["kv_dma_bytes"] + t["qo_block_bytes"] + t["smem_bytes"]
+                                    + t["pt_dma_bytes"]),
                       min_hbm_bytes=int(t["min_hbm_bytes"]), grid_steps=int(t["max_items"]),
                       vmem_bytes=int(t["vmem_bytes"]))
 
 
 __all__ = ["PagedAttentionConfig", "choose_config", "estimate_cost", "max_items_bound",
            "work_list_numpy", "traffic", "vmem_need_bytes", "vmem_budget_bytes", "narrow_rows", "row_align", "row_tile", "partial_page_chunks", "page_copy_plan",
-           "GENERATIONS", "SMEM_BUDGET_BYTES"]
+           "GENERATIONS", "SMEM_BUDGET_BYTES", "PAGE_TABLE_SMEM_BYTES",
+           "streams_page_table", "smem_bytes"]

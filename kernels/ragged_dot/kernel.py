@@ -11,10 +11,12 @@ gmm grid = (N tiles, L items, K tiles). The BlockSpec index maps read the item's
 group from SMEM: lhs block (tile, k), rhs block (group, k, n), output block (tile, n). Consecutive
 items of one row tile keep the same output block, so it stays in VMEM and is written back once;
 consecutive items of one group (and kt == 1) keep the same weight block, so it is not re-fetched.
-Each item runs its matmul only on a row window [START, START + bucket) that covers its rows (a
-20-row group tail runs a 32-row matmul, not a whole tile) and merges the result into an f32
-accumulator with a row select, so rows of other groups in the same tile stay bit-exactly
-untouched (a NaN weight of one expert never reaches another expert's rows). The first item of a
+Each item multiplies only the rows it owns: full chunks of up to 256 rows in a loop, then one tail
+window from a small set of bucket sizes (a 20-row group tail runs a 32-row matmul, not a whole
+tile). Each window's result is merged into an f32 accumulator with a row select, so rows of other
+groups in the same tile stay bit-exactly untouched (a NaN weight of one expert never reaches
+another expert's rows). Inside a window the MXU works on (rows, 256)-column chunks of the resident
+blocks in loops, so large DMA blocks do not unroll into huge kernels. The first item of a
 tile zeroes the accumulator; the last writes the tile out. Rows past sum(group_sizes) belong to a
 virtual group whose items do no MXU work and leave zeros. Items without MXU work (virtual rows,
 padding) point their lhs/rhs index maps at the block the previous step left resident, so they
@@ -40,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import tiling as _tiling
-from .tiling import F_COMPUTE, F_FIRST, F_LAST, F_VALID, GMM_FIELDS, GmmTiling, TgmmTiling
+from .tiling import F_COMPUTE, F_FIRST, F_LAST, GMM_FIELDS, GmmTiling, TgmmTiling
 
 __all__ = ["gmm", "tgmm", "QUANTISED_DTYPES"]
 

@@ -226,6 +226,9 @@ def tgmm(lhs: torch.Tensor, dout: torch.Tensor, group_sizes: torch.Tensor, *,
         raise ValueError("group_sizes: expected a 1-D tensor of group sizes")
     group_sizes = _check_group_sizes(group_sizes, group_sizes.shape[0], lhs.shape[0], lhs.device)
     ov = dict(tiling or {})
+    unknown = set(ov) - {"tm", "tk", "tn"}
+    if unknown:
+        raise ValueError(f"tiling: unknown keys {sorted(unknown)}; expected tm, tk, tn")
     return tgmm_op(lhs, dout, group_sizes, _dtype_name(out_dtype), int(ov.get("tm", 0)),
                    int(ov.get("tk", 0)), int(ov.get("tn", 0)))
 

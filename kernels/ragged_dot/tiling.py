@@ -4,18 +4,19 @@ Everything here is plain Python / numpy (the work-list builder also runs on `jax
 inside the jitted wrapper, through the `xp` argument), so `estimate_cost` can replay exactly the
 schedule the kernel runs.
 
-Tile choice: the row tile `tm` follows the MXU width of the generation (128 on v5e, 256 on v6e and
-TPU7x), the contraction tile `tk` and output tile `tn` start as large as possible (whole K / N when
-they are moderate) and shrink until the VMEM budget model below fits in half of the core's VMEM.
-The budget model counts every buffer the kernel holds: double-buffered input and output blocks, the
-f32 accumulator, the quantisation scales, the dequantised weight copy, the masked K-tail copies and
-the f32 matmul result before it is merged into the accumulator.
+Tile choice (per generation): a search over row tiles tm in {128, 256, 512, 1024} (capped by M)
+and K / N tiles (the whole dimension, or a divisor from 256 to 4096) for the least modelled time =
+MXU FLOPs with the expected row padding / peak + HBM bytes / bandwidth + grid steps x step
+overhead, the traffic from the same schedule as `estimate_cost` with evenly sized groups, among the
+tiles whose VMEM need fits in half of the core's VMEM. The VMEM budget model counts every buffer
+the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
+scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
+is merged into the accumulator. Any of tm / tk / tn can be overridden; the rest are searched.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import numpy as np
@@ -56,9 +57,6 @@ GMM_FIELDS = ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "NFULL", "TST
               "FLAGS")
 TGMM_FIELDS = GMM_FIELDS
 F_COMPUTE, F_FIRST, F_LAST, F_VALID = 1, 2, 4, 8
-
-_MiB = 1 << 20
-
 
 def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
@@ -169,6 +167,17 @@ def _modelled(gen, flops, nbytes, steps) -> float:
     return flops / gen.bf16_flops + nbytes / gen.hbm_bytes_per_s + steps * gen.step_overhead_s
 
 
+def _row_padding(rows_per_item: float, tm: int, unit: int) -> float:
+    """Expected padded MXU rows per work item, for items of about `rows_per_item` rows: a tiny item
+    runs on at least one row unit; pieces of varied length past chunk/8 rows pad by half a bucket
+    step (chunk/8) on average; shorter ones by about a third of their length (power-of-two
+    buckets)."""
+    rc = row_chunk(tm)
+    if rows_per_item >= rc / 8:
+        return rc / 16
+    return max(unit - rows_per_item, rows_per_item / 3)
+
+
 def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
     """The (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
     sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
@@ -184,9 +193,7 @@ def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
                 vm = need(tm, tk, tn)
                 items = -(-m // tm) + min(num_groups, m)
                 nbytes, steps = traffic(tm, tk, tn, items)
-                # Row padding: an item's tail window is about chunk/16 rows larger than its rows on
-                # average (bucket steps of chunk/8).
-                flops = 2 * (m + items * max(row_chunk(tm) // 16, unit // 2)) * k * n
+                flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
                 key = (_modelled(gen, flops, nbytes, steps), tm != gen.mxu_size, steps)
                 if vm <= budget and (best is None or key < best[0]):
                     best = (key, (tm, tk, tn))
