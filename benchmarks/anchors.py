@@ -476,47 +476,47 @@ def splash_cost(shape, block: int = SPLASH_BLOCK):
     grid = (H, nq, width)
     p = pipeline_bytes(grid, ops)
     live = int((block_mask != 0).sum()) * (1 if per_head else H)
-    notes = []
+    # Splash has no batch axis: a batch is one call per sequence (B times this grid).
+    B = shape.batch
+    notes = [f"no batch axis: {B} calls, one per sequence"] if B > 1 else []
     cost = KernelCost(
         useful_flops=attention_useful_flops(shape),
-        mxu_flops=4 * b * b * d * live,
-        hbm_bytes=p["read"] + p["write"],
+        mxu_flops=4 * b * b * d * live * B,
+        hbm_bytes=(p["read"] + p["write"]) * B,
         min_hbm_bytes=attention_min_bytes(shape),
-        grid_steps=p["steps"],
+        grid_steps=p["steps"] * B,
         vmem_bytes=2 * (2 * b + 2 * b) * d * isz + 2 * (2 * b * 128 * 4 + b * d * 4),
     )
     return cost, {"block": b, "kv_width": width, "notes": notes}
+
+
+def splash_compile_args(shape, block: int = SPLASH_BLOCK):
+    """(fn, avals): q [H, S, D], k/v [Hkv, S, D]; with batch > 1 a leading batch axis and one
+    kernel call per sequence."""
+    import jax.numpy as jnp
+
+    kernel = splash_kernel(shape, block)
+    dt = _jnp_dtype(shape.dtype)
+    scale = shape.head_dim ** -0.5
+    lead = (shape.batch,) if shape.batch > 1 else ()
+
+    def fn(q, k, v):
+        if not lead:
+            return kernel(q * scale, k, v)
+        # One call per sequence (jax.vmap of this kernel does not run in TPU interpret mode).
+        return jnp.stack([kernel(q[b] * scale, k[b], v[b]) for b in range(shape.batch)])
+
+    return fn, [(lead + (shape.q_heads, shape.seq, shape.head_dim), dt),
+                (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt),
+                (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt)]
 
 
 def splash_call(shape, block: int = SPLASH_BLOCK):
     import jax
     import jax.numpy as jnp
 
-    kernel = splash_kernel(shape, block)
-    dt = _jnp_dtype(shape.dtype)
+    fn, avals = splash_compile_args(shape, block)
     key = jax.random.key(3)
-    q = jax.random.normal(key, (shape.q_heads, shape.seq, shape.head_dim), jnp.float32).astype(dt)
-    k, v = (jax.random.normal(jax.random.fold_in(key, i), (shape.kv_heads, shape.seq,
-                                                            shape.head_dim), jnp.float32).astype(dt)
-            for i in (1, 2))
-    scale = shape.head_dim ** -0.5
-
-    def fn(q, k, v):
-        return kernel(q * scale, k, v)
-
-    return fn, (q, k, v)
-
-
-def splash_compile_args(shape, block: int = SPLASH_BLOCK):
-    import jax.numpy as jnp
-
-    kernel = splash_kernel(shape, block)
-    dt = _jnp_dtype(shape.dtype)
-    scale = shape.head_dim ** -0.5
-
-    def fn(q, k, v):
-        return kernel(q * scale, k, v)
-
-    return fn, [((shape.q_heads, shape.seq, shape.head_dim), dt),
-                ((shape.kv_heads, shape.seq, shape.head_dim), dt),
-                ((shape.kv_heads, shape.seq, shape.head_dim), dt)]
+    args = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
+                 for i, (s, dt) in enumerate(avals))
+    return fn, args

@@ -109,12 +109,17 @@ NAMED = {
         *_moe("qwen3_30b_a3b", 4096, 128, 8, 2048, 768),
         # Mixtral-8x7B: hidden 4096, intermediate 14336, 8 experts, top-2.
         *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
+        # One projection alone (gate or up): the shape tokamax's published TPU timings cover.
+        RaggedDotShape("mixtral_8x7b_gate_t4096", 4096, 8, 2, 4096, 14336),
     ],
     "flash_attention": [
         AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
         AttentionShape("llama3_8b_window1024_8192", 1, 32, 8, 8192, 128, window=1024),
         AttentionShape("gemma_d256_window4096_softcap50_8192", 1, 8, 4, 8192, 256, window=4096,
                        softcap=50.0),
+        # Shapes tokamax's published TPU timings cover (causal, no window, no soft cap).
+        AttentionShape("llama3_8b_causal_b32_4096", 32, 32, 8, 4096, 128),
+        AttentionShape("d256_causal_b2_8192", 2, 8, 8, 8192, 256),
     ],
     "paged_attention": [
         PagedShape("llama3_8b_decode_b64_ctx8192", tuple((1, 8192) for _ in range(64)), 32, 8, 128,

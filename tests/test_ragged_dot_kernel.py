@@ -67,7 +67,13 @@ def test_gmm_matches_reference(c, transpose_rhs):
     assert np.all(_np(out)[used:] == 0)  # rows past sum(group_sizes) are exactly zero
 
 
+# dlhs and the quantised path reuse the gmm kernel swept above: half the examples of the active
+# hypothesis profile (6 in CI, 100 with HYPOTHESIS_PROFILE=sweep) keep the CI budget.
+HALF = settings(max_examples=max(4, settings().max_examples // 2))
+
+
 @pytest.mark.sweep
+@HALF
 @given(c=ragged_case(), forward_transposed=st.booleans())
 def test_dlhs_matches_reference(c, forward_transposed):
     """dlhs = gmm(dout, rhs) with the other layout flag than the forward: no transposed copy."""
@@ -101,6 +107,7 @@ def test_tgmm_matches_reference(c):
 
 
 @pytest.mark.sweep
+@HALF
 @given(c=ragged_case(dtypes=(jnp.bfloat16,)), qdtype=st.sampled_from(["int8", "float8_e4m3fn"]),
        transpose_rhs=st.booleans())
 def test_quantised_gmm_matches_dequantised_reference(c, qdtype, transpose_rhs):
@@ -119,19 +126,19 @@ def test_quantised_gmm_matches_dequantised_reference(c, qdtype, transpose_rhs):
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gmm_edge_groups_default_tiling(transpose_rhs):
+@pytest.mark.parametrize("transpose_rhs,tiling", [(False, None), (True, T.GmmTiling(32, 128, 128))],
+                         ids=["default_tiling", "small_tiles_transposed"])
+def test_gmm_edge_groups(transpose_rhs, tiling):
     """Empty, one-row, tile-straddling groups and sum < M, with the default (production) tiling
     and with several row tiles; bf16 output."""
     gs = [0, 1, 37, 0, 1, 90, 2, 0]  # sum 131 < M = 150
     c = dict(dtype=jnp.bfloat16, m=150, k=200, n=384, group_sizes=gs, seed=7)
     lhs, rhs, gsa = _arrays(c, transpose_rhs)
     ref = R.gmm_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
-    for tiling in (None, T.GmmTiling(32, 128, 128)):
-        out = K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs, tiling=tiling, interpret=True)
-        assert out.dtype == jnp.bfloat16
-        np.testing.assert_allclose(_np(out), ref, rtol=2e-2, atol=2e-1)
-        assert np.all(_np(out)[131:] == 0)
+    out = K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs, tiling=tiling, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(_np(out), ref, rtol=2e-2, atol=2e-1)
+    assert np.all(_np(out)[131:] == 0)
 
 
 def test_long_groups_run_in_several_row_chunks():
@@ -337,6 +344,8 @@ def test_cost_targets_at_qwen3_shapes(generation):
                 assert c.vmem_bytes <= rd.tiling.GENERATIONS[generation].vmem_bytes // 2
                 if tokens == 64:
                     assert c.hbm_bytes <= 1.10 * c.min_hbm_bytes, (kind, k, n, c)
+                    if kind == "gmm":  # every block copied once: padding items copy nothing
+                        assert c.hbm_bytes == c.min_hbm_bytes, (k, n, c)
                 else:
                     assert c.mxu_flops <= 1.15 * c.useful_flops, (kind, k, n, c)
 

@@ -103,6 +103,17 @@ def test_quantised_gmm_torch(qdtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
 
 
+def test_empty_shapes():
+    w = torch.randn(3, 128, 64)
+    none = torch.zeros(3, dtype=torch.int32)
+    assert rd.gmm(torch.zeros(0, 128), w, none).shape == (0, 64)
+    assert torch.all(rd.tgmm(torch.zeros(0, 128), torch.zeros(0, 64), none) == 0)
+    x = torch.randn(5, 128, requires_grad=True)
+    y = rd.gmm(x, w, none)  # no rows in any group: zeros, and zero gradient
+    y.sum().backward()
+    assert torch.all(y == 0) and torch.all(x.grad == 0)
+
+
 def test_opcheck():
     gs = [3, 0, 5]
     x, w, gst = _inputs(10, 128, 128, gs)

@@ -20,6 +20,9 @@ from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generat
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _UNBOUNDED = 1 << 30
+# At most this many stacked query rows (G heads x block_q) per q block: beyond it the score tile
+# ([rows, block_kv_compute] f32) grows past 4 MiB with no modelled gain, and compile time balloons.
+MAX_ROWS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,8 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
     budget = _budget(gen)
     best_f, best_b = None, None
     for bq, bk, bkc in _candidates(q_len, kv_len, gen):
+        if groups * bq > MAX_ROWS and bq > 128:
+            continue
         t = Tiles(bq, bk, bkc, bq, bk)
         nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments)
         if nf <= budget:

@@ -135,37 +135,25 @@ def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_
               q_dtype=q_dtype, kv_dtype=kv_dtype)
     max_tokens = _round_up(max(num_tokens, 1), align)
 
-    def q_blocks():
-        if config.block_q is not None:
-            return [config.block_q]
-        # Larger q blocks re-read a long prefill's KV fewer times (once per q block); decode items
-        # take the narrow path whatever the block. Largest first, never more than the batch.
-        return [min(max(align, _round_up(max(1, r // group), align)), max_tokens)
-                for r in (1024, 512, 256)]
+    def q_block(r):
+        return min(max(align, _round_up(max(1, r // group), align)), max_tokens)
 
-    def kv_blocks():
-        if config.pages_per_block is not None:
-            return [config.pages_per_block]
-        # ~512 KV tokens per item first: DMAs of a few MiB amortise the ~0.35 us step cost.
-        out, ppb = [], max(1, 512 // page_size)
-        while True:
-            out.append(ppb)
-            if ppb == 1:
-                return out
-            ppb //= 2
+    def kv_block(tokens):
+        return max(1, tokens // page_size)
 
-    # KV block size matters more than q block size (decode pays a step per KV block): try every
-    # q block at the largest KV block before shrinking the KV block.
-    choice = None
-    for ppb in kv_blocks():
-        for bq in q_blocks():
-            if vmem_need_bytes(block_q=bq, pages_per_block=ppb, **kw) <= budget:
-                choice = (bq, ppb)
-                break
-        if choice:
-            break
-    if choice is None:  # nothing fits: the smallest tiles (a user override is taken as given)
-        choice = (q_blocks()[-1], kv_blocks()[-1])
+    # Preference order (first that fits the budget wins): large KV blocks cut decode's per-step
+    # cost (one step per KV block); large q blocks cut how often a long prefill's KV is re-read
+    # (once per q block). Decode items take the narrow path whatever the q block, and a q block
+    # never exceeds the batch's tokens, so decode-only batches get small q blocks for free.
+    prefs = [(r, t) for t in (1024, 512) for r in (1024, 512)]
+    prefs += [(r, t) for t in (1024, 512, 256, 128) for r in (256, 128)]
+    prefs += [(16 * group, t) for t in (128, 64, 32, 16)]
+    candidates = [(config.block_q if config.block_q is not None else q_block(r),
+                   config.pages_per_block if config.pages_per_block is not None else kv_block(t))
+                  for r, t in prefs]
+    choice = next((c for c in candidates
+                   if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget),
+                  candidates[-1])  # nothing fits: the smallest tiles (overrides taken as given)
     block_q, ppb = choice
     ppb = max(1, min(ppb, pages_per_seq))
     return PagedAttentionConfig(block_q=block_q, pages_per_block=ppb, max_items=config.max_items,
@@ -187,10 +175,10 @@ def smem_bytes(num_seqs: int, pages_per_seq: int, max_items: int, stream: bool) 
 
 
 def vmem_budget_bytes(gen: TpuGeneration) -> int:
-    """VMEM the default tiles may use: 3/4 of max(the default scoped limit, a quarter of physical
-    VMEM). The kernel asks Mosaic for vmem_limit_bytes(need) explicitly, so v5e's 16 MiB default
-    does not bind."""
-    return max(gen.scoped_vmem_default_bytes, gen.vmem_bytes // 4) * 3 // 4
+    """VMEM the default tiles may use: 3/4 of max(the default scoped limit, 3/8 of physical VMEM)
+    (36 MiB on v5e/v6e, 24 MiB on TPU7x). The kernel asks Mosaic for vmem_limit_bytes(need)
+    explicitly, so v5e's 16 MiB default does not bind."""
+    return max(gen.scoped_vmem_default_bytes, gen.vmem_bytes * 3 // 8) * 3 // 4
 
 
 def max_items_bound(*, num_q_blocks: int, max_num_seqs: int, pages_per_seq: int,
