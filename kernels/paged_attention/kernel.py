@@ -20,10 +20,16 @@ list length; steps past the real list do nothing.
 
 KV traffic. Each item's pages are copied by manual DMAs straight from the cache in HBM (one DMA
 per page per cache array, covering every KV head; a sequence's partly filled last page copies only
-its valid rows, rounded up to the sublane tile, in a few power-of-two row chunks), double-buffered: while item i is computed, the
-pages of item i+1 are in flight into the other slot. A page is fetched once per q block that needs
-it. GQA: per KV head, the q block's rows for that head's G query heads (laid out as
-[Hkv, T * G, D], token-major) are multiplied against the head's K and V in one pass.
+its valid rows, rounded up to the sublane tile, in a few power-of-two row chunks),
+double-buffered: while item i is computed, the pages of item i+1 are in flight into the other
+slot. A page is fetched once per q block that needs it. GQA: per KV head, the q block's rows for
+that head's G query heads (laid out as [Hkv, T * G, D], token-major) are multiplied against the
+head's K and V in one pass. Rows past kv_len and page slots an item did not fill are masked (K)
+and zeroed (V), so stale or NaN cache contents never reach the output.
+
+Page table. Kept whole in SMEM (scalar prefetch) when small; above tiling.PAGE_TABLE_SMEM_BYTES it
+stays in HBM and each item's row is DMA'd into a two-row SMEM buffer two items ahead of compute
+(one ahead of the KV prefetch that reads it).
 
 Decode. An item whose sequence occupies only a 16-row aligned slice of the q block (one decode
 token of G <= 16 heads) takes a narrow path that computes only those rows.
