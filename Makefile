@@ -43,7 +43,7 @@ demo: setup build
 	$(PY) scripts/demo.py
 
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) benchmarks/run.py

@@ -1,7 +1,7 @@
 """flash-attention-tpu: Pallas TPU flash attention (forward and backward) with a flash-attn 2
 compatible torch API and a Transformers attention function."""
 
-from . import kernel, reference, tiling, ops, integration
+from . import _ops, integration, kernel, ops, reference, tiling
 from .integration import attention_forward, register
 from .ops import flash_attn_func, flash_attn_varlen_func
 from .tiling import Tiles, choose_tiles, estimate_cost

@@ -5,7 +5,7 @@ Transformers continuous-batching attention function.
 Layout, schedule and limits: kernel.py (module docstring) and ops.py.
 """
 
-from . import kernel, reference, tiling, ops, integration
+from . import _ops, integration, kernel, ops, reference, tiling
 from .ops import flash_attn_varlen_func, flash_attn_with_kvcache, ragged_paged_attention
 from .integration import ATTN_IMPLEMENTATION, HUB_ATTN_IMPLEMENTATION, attention_forward, register
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from ._ops import HUB_REPO_ID
 
 # The name `register()` uses for plain forward / generate. Continuous batching accepts only
 # "paged|eager", "sdpa" or names containing "flash", and Transformers resolves every "flash" name
 # to a flash-attn package or a Hub kernel repo, so generate_batch loads this package as a Hub
 # kernel instead: HUB_ATTN_IMPLEMENTATION (module docstring).
 ATTN_IMPLEMENTATION = "paged_attention_tpu"
-HUB_ATTN_IMPLEMENTATION = "pallas-tpu-kernels/paged-attention-tpu:flash_attn_varlen_func"
+HUB_ATTN_IMPLEMENTATION = f"{HUB_REPO_ID}:flash_attn_varlen_func"
 
 
 def attention_forward(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,

@@ -5,7 +5,7 @@ experts function `experts_forward` with `register()`. The JAX kernels are in `ke
 references in `reference`, tile choice and the cost model in `tiling`.
 """
 
-from . import kernel, reference, tiling, ops, integration
+from . import _ops, integration, kernel, ops, reference, tiling
 from .integration import experts_forward, register
 from .ops import gmm, ragged_dot, tgmm
 
