@@ -141,12 +141,14 @@ def demo_flash_attention(mod, coll) -> None:
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         ref_logits = model(ids).logits
-        ref_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        ref_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                    do_sample=False, pad_token_id=0)
         model.set_attn_implementation(repo_id)
         t = time.perf_counter()
         logits = model(ids).logits
         dt = time.perf_counter() - t
-        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                do_sample=False, pad_token_id=0)
     err = rel_err(logits, ref_logits)
     report(f"tiny Llama, attn_implementation='{repo_id}'", err < 1e-4,
            f"logits relative error {err:.2e} vs 'sdpa' ({dt:.2f} s forward)")
@@ -157,7 +159,7 @@ def demo_flash_attention(mod, coll) -> None:
 # ------------------------------------------------------------------------------- paged attention
 
 
-def demo_paged_attention(mod, coll) -> None:
+def demo_paged_attention(mod) -> None:
     torch.manual_seed(0)
     batch, new, heads, kv_heads, dim, block, blocks_per_seq = 3, 4, 8, 2, 64, 16, 4
     cache_seqlens = torch.tensor([0, 17, 40], dtype=torch.int32)
@@ -226,7 +228,7 @@ def main() -> int:
           f"Pallas in {os.environ.get('PALLAS_TPU_INTERPRET', 'plain')} interpret mode on CPU")
     demo_ragged_dot(load(coll, "ragged_dot"))
     demo_flash_attention(load(coll, "flash_attention"), coll)
-    demo_paged_attention(load(coll, "paged_attention"), coll)
+    demo_paged_attention(load(coll, "paged_attention"))
     print()
     if failures:
         print(f"{len(failures)} check(s) failed: {failures}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import kernel_loader
 import toy_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +39,19 @@ def test_toy_kernel_registers_through_torch_tpu_and_exports_for_tpu(tmp_path):
     result = probe(repo / "build" / "torch-tpu", "toy")
     assert result["op_classes"] == {"scale_add": "_JaxCustomOpDef"}
     assert result["outputs"] == [[[16, 128], "torch.bfloat16", "meta"]]
+
+
+EXPECTED_OUTPUTS = {
+    "ragged_dot": [[[512, 1536], "torch.bfloat16", "meta"], [[128, 2048, 1536], "torch.bfloat16", "meta"]],
+    "flash_attention": [[[1, 2048, 32, 128], "torch.bfloat16", "meta"]],
+    "paged_attention": [[[8, 32, 128], "torch.bfloat16", "meta"]],
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("key", sorted(EXPECTED_OUTPUTS))
+def test_kernel_registers_through_torch_tpu_and_exports_for_tpu(key):
+    result = probe(kernel_loader.variant_path(key, backend="tpu"), key)
+    assert result["op_classes"], f"{key}: no op registered in the package namespace"
+    assert set(result["op_classes"].values()) == {"_JaxCustomOpDef"}, result["op_classes"]
+    assert result["outputs"] == EXPECTED_OUTPUTS[key]

@@ -45,7 +45,39 @@ def _toy(mod):
     return mod.scale_add(x, x, 2.0)
 
 
-CASES = {"toy": _toy}
+def _meta(shape, dtype=torch.bfloat16):
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+def _ragged_dot(mod):
+    # Qwen3-30B-A3B gate_up shapes at 64 tokens (top-8): lhs [512, 2048], experts [128, 1536, 2048].
+    lhs = _meta((512, 2048))
+    rhs = _meta((128, 1536, 2048))
+    group_sizes = _meta((128,), torch.int32)
+    out = mod.gmm(lhs, rhs, group_sizes, transpose_rhs=True)
+    grads = mod.tgmm(lhs, _meta((512, 1536)), group_sizes)
+    return [out, grads]
+
+
+def _flash_attention(mod):
+    # Llama-3-8B heads at 2048 tokens, causal.
+    q = _meta((1, 2048, 32, 128))
+    kv = _meta((1, 2048, 8, 128))
+    return mod.flash_attn_func(q, kv, kv, causal=True)
+
+
+def _paged_attention(mod):
+    # Llama-3-8B heads, 8 decode sequences over 64-token pages.
+    seqs, pages_per_seq, page = 8, 16, 64
+    q = _meta((seqs, 32, 128))
+    cache = _meta((seqs * pages_per_seq, 16, page, 128))
+    return mod.ragged_paged_attention(
+        q, cache, _meta((seqs,), torch.int32), _meta((seqs, pages_per_seq), torch.int32),
+        _meta((seqs + 1,), torch.int32), _meta((1,), torch.int32), validate=False)
+
+
+CASES = {"toy": _toy, "ragged_dot": _ragged_dot, "flash_attention": _flash_attention,
+         "paged_attention": _paged_attention}
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
