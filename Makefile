@@ -19,13 +19,15 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 # libtpu lives outside the venv: installed into the venv it would make jax look for a TPU.
-.libtpu/.installed:
+.libtpu/.installed: $(VENV)/.installed
+	rm -rf .libtpu
 	$(PIP) install -q --disable-pip-version-check --no-deps --target .libtpu "libtpu==$(LIBTPU_VERSION)"
 	touch $@
 
 # torch-tpu autoloads on `import torch` and, without a TPU, kills the process: it must never be in
 # the venv. The TPU wrapper tests put this folder on PYTHONPATH of a subprocess only.
-.torch-tpu-env/.installed:
+.torch-tpu-env/.installed: $(VENV)/.installed
+	rm -rf .torch-tpu-env
 	$(PIP) install -q --disable-pip-version-check --no-deps --target .torch-tpu-env \
 		"torch-tpu==0.2.0" "libtpu==0.0.52" portpicker frozendict pyzmq absl-py immutabledict
 	touch $@

@@ -23,7 +23,7 @@ TORCH_TPU_ENV = Path(os.environ.get("TORCH_TPU_ENV", ROOT / ".torch-tpu-env"))
 def probe(variant: Path, case: str) -> dict:
     if not (TORCH_TPU_ENV / "torch_tpu").is_dir():
         raise AssertionError(f"torch-tpu not found in {TORCH_TPU_ENV}: run `make setup`")
-    env = dict(os.environ, PYTHONPATH=str(TORCH_TPU_ENV), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, PYTHONPATH=str(TORCH_TPU_ENV), JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                PYTHONWARNINGS="ignore")
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "torch_tpu_probe.py"), str(variant), case],
