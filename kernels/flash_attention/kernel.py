@@ -224,6 +224,20 @@ def _scores(s, scale, softcap):
     return s * scale, None
 
 
+def _current_item(items_ref, n_items):
+    """(q block, kv block, sequence slot, flags) of the work item this grid step runs: the list
+    holds the four fields as consecutive rows of n_items in SMEM."""
+    i = pl.program_id(2)
+    return tuple(items_ref[field * n_items + i] for field in range(4))
+
+
+def _pop_segment_refs(refs, has_segments):
+    """The (q, kv) segment-id refs that follow a kernel's inputs when segment ids are given."""
+    if not has_segments:
+        return (None, None), refs
+    return tuple(refs[:2]), refs[2:]
+
+
 # -------------------------------------------------------------------------------------------------
 # Forward
 # -------------------------------------------------------------------------------------------------
@@ -234,17 +248,10 @@ def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, bloc
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
-    refs = refs[3:]
-    if has_segments:
-        qseg_ref, kseg_ref = refs[:2]
-        refs = refs[2:]
+    (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[3:], has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     h = pl.program_id(1)
-    i = pl.program_id(2)
-    qi = items_ref[0 * n_items + i]
-    ki = items_ref[1 * n_items + i]
-    si = items_ref[2 * n_items + i]
-    flags = items_ref[3 * n_items + i]
+    qi, ki, si, flags = _current_item(items_ref, n_items)
     rows = groups * block_q
     seq = _seq_scalars(seq_ref, si, n_seq)
 
@@ -466,16 +473,9 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, blo
                  scale, softcap, has_segments):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-    refs = refs[6:]
-    if has_segments:
-        qseg_ref, kseg_ref = refs[:2]
-        refs = refs[2:]
+    (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dk_ref, dv_ref, dk_acc, dv_acc = refs
-    i = pl.program_id(2)
-    qi = items_ref[0 * n_items + i]
-    ki = items_ref[1 * n_items + i]
-    si = items_ref[2 * n_items + i]
-    flags = items_ref[3 * n_items + i]
+    qi, ki, si, flags = _current_item(items_ref, n_items)
     rows = groups * block_q
     seq = _seq_scalars(seq_ref, si, n_seq)
 
@@ -524,16 +524,9 @@ def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block
                scale, softcap, has_segments):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-    refs = refs[6:]
-    if has_segments:
-        qseg_ref, kseg_ref = refs[:2]
-        refs = refs[2:]
+    (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dq_ref, dq_acc, lse_col, di_col = refs
-    i = pl.program_id(2)
-    qi = items_ref[0 * n_items + i]
-    ki = items_ref[1 * n_items + i]
-    si = items_ref[2 * n_items + i]
-    flags = items_ref[3 * n_items + i]
+    qi, ki, si, flags = _current_item(items_ref, n_items)
     rows = groups * block_q
     seq = _seq_scalars(seq_ref, si, n_seq)
 
