@@ -82,11 +82,12 @@ def _write(path: Path, data: bytes | str) -> None:
     path.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
-def build_variant(coll: Collection, entry: KernelEntry, backend: str, dest: Path) -> dict:
-    """Write one variant folder; return its metadata."""
+def build_variant(coll: Collection, entry: KernelEntry, backend: str, dest: Path,
+                  sources: dict[str, bytes] | None = None) -> dict:
+    """Write one variant folder (from `sources`, default: read them); return its metadata."""
     from kernels._rust import Digest, DigestAlgorithm
 
-    sources = package_sources(entry)
+    sources = package_sources(entry) if sources is None else sources
     source_hash = content_hash(sources)
     name = ops_name(entry, backend, source_hash)
     if dest.exists():
@@ -249,10 +250,11 @@ def build_repo(coll: Collection, entry: KernelEntry, out: Path) -> Path:
         _write(repo / "benchmarks" / entry.benchmark.name, entry.benchmark.read_bytes())
     # The kernel-builder source tree (what flake.nix builds): the package sources without _ops.py,
     # which kernel-builder generates itself.
-    for rel, data in package_sources(entry).items():
+    sources = package_sources(entry)
+    for rel, data in sources.items():
         _write(repo / "torch-ext" / entry.python_name / rel, data)
     for backend in entry.backends:
-        build_variant(coll, entry, backend, repo / "build" / VARIANTS[backend])
+        build_variant(coll, entry, backend, repo / "build" / VARIANTS[backend], sources)
     return repo
 
 

@@ -285,14 +285,13 @@ def jax_op(qualname: str, fn: Callable[..., Any] | None = None, *, fake: Callabl
         if mode == "tpu":
             from jax.experimental.pallas import tpu as pltpu
 
+            # Fresh simulator state: a race or exception of an earlier call must not leak in.
             pltpu.reset_tpu_interpret_mode_state()
         try:
             out = jitted(mode)(**jax_args)
             jax.block_until_ready(out)
         except Exception:
             if mode == "tpu":
-                from jax.experimental.pallas import tpu as pltpu
-
                 pltpu.reset_tpu_interpret_mode_state()
             raise
         if mode == "tpu" and _races_found():
