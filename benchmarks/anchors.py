@@ -184,9 +184,14 @@ def attention_min_bytes(shape) -> int:
 
 
 def attention_useful_flops(shape) -> int:
-    # QK^T and PV: 2 * d FLOPs each per kept (query, key) pair.
-    pairs = attention_pairs(shape.seq, shape.causal, shape.window)
+    # QK^T and PV: 2 * d FLOPs each per kept (query, key) pair; packed documents see only
+    # themselves.
+    docs = shape.documents or 1
+    pairs = docs * attention_pairs(shape.seq // docs, shape.causal, shape.window)
     return 4 * shape.head_dim * pairs * shape.batch * shape.q_heads
+
+
+SEGMENT_NOTE = "segment ids only mask: block pairs between documents are still fetched and computed"
 
 
 def _below_or_on_diag(r, rb, c, cb):
@@ -213,6 +218,10 @@ def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
         Operand("v", bk * d * isz, kv_map),
         Operand("o", blk, lambda b, h, qi, ki: (b, h, qi), is_output=True),
     ]
+    if shape.documents:  # q ids [block_q, 128] and kv ids [8, block_k] int32, no head axis
+        ops += [Operand("q_segment_ids", bq * 128 * 4, lambda b, h, qi, ki: (b, qi + 0 * h)),
+                Operand("kv_segment_ids", 8 * bk * 4,
+                        lambda b, h, qi, ki: (b, kv_map(b, h, qi, ki)[2]))]
     grid = (B, H, nq, nk)
     p = pipeline_bytes(grid, ops)
     qi, ki = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
@@ -228,6 +237,8 @@ def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
         notes.append("no sliding window: computes full causal")
     if shape.softcap is not None:
         notes.append("no soft cap")
+    if shape.documents:
+        notes.append(SEGMENT_NOTE)
     cost = KernelCost(
         useful_flops=attention_useful_flops(shape),
         mxu_flops=4 * bq * bk * d * run_per_head * B * H,
@@ -262,11 +273,17 @@ def flash_compile_args(shape, block: int = FLASH_BLOCK):
     bs = fa.BlockSizes(block_q=b, block_k_major=b, block_k=b, block_b=1)
     rep = shape.q_heads // shape.kv_heads
 
+    ids = shape.segment_ids()
+    segment_ids = None
+    if ids is not None:
+        rows = jnp.broadcast_to(jnp.asarray(ids), (shape.batch, shape.seq))
+        segment_ids = fa.SegmentIds(q=rows, kv=rows)
+
     def fn(q, k, v):
         k = jnp.repeat(k, rep, axis=1)
         v = jnp.repeat(v, rep, axis=1)
         return fa.flash_attention(q, k, v, causal=shape.causal, sm_scale=shape.head_dim ** -0.5,
-                                  block_sizes=bs)
+                                  block_sizes=bs, segment_ids=segment_ids)
 
     qs = ((shape.batch, shape.q_heads, shape.seq, shape.head_dim), dt)
     kvs = ((shape.batch, shape.kv_heads, shape.seq, shape.head_dim), dt)
@@ -473,12 +490,17 @@ def splash_cost(shape, block: int = SPLASH_BLOCK):
                            lambda h, i, j: (mask_next[hm(h), i, j],)))
     if mi.q_sequence is not None:
         ops.append(Operand("q_sequence", b * 128 * 4, lambda h, i, j: (i + 0 * h,)))
+    if shape.documents:  # q ids [bq, 128] and kv ids [8, bkv] int32, following data_next
+        ops += [Operand("q_segment_ids", b * 128 * 4, lambda h, i, j: (i + 0 * h,)),
+                Operand("kv_segment_ids", 8 * b * 4, lambda h, i, j: (data_next[hm(h), i, j],))]
     grid = (H, nq, width)
     p = pipeline_bytes(grid, ops)
     live = int((block_mask != 0).sum()) * (1 if per_head else H)
     # Splash has no batch axis: a batch is one call per sequence (B times this grid).
     B = shape.batch
     notes = [f"no batch axis: {B} calls, one per sequence"] if B > 1 else []
+    if shape.documents:
+        notes.append(SEGMENT_NOTE)
     cost = KernelCost(
         useful_flops=attention_useful_flops(shape),
         mxu_flops=4 * b * b * d * live * B,
@@ -499,12 +521,18 @@ def splash_compile_args(shape, block: int = SPLASH_BLOCK):
     dt = _jnp_dtype(shape.dtype)
     scale = shape.head_dim ** -0.5
     lead = (shape.batch,) if shape.batch > 1 else ()
+    ids = shape.segment_ids()
+    segment_ids = None
+    if ids is not None:
+        sk, _ = _splash_modules()
+        segment_ids = sk.SegmentIds(q=jnp.asarray(ids), kv=jnp.asarray(ids))
 
     def fn(q, k, v):
         if not lead:
-            return kernel(q * scale, k, v)
+            return kernel(q * scale, k, v, segment_ids=segment_ids)
         # One call per sequence (jax.vmap of this kernel does not run in TPU interpret mode).
-        return jnp.stack([kernel(q[b] * scale, k[b], v[b]) for b in range(shape.batch)])
+        return jnp.stack([kernel(q[b] * scale, k[b], v[b], segment_ids=segment_ids)
+                          for b in range(shape.batch)])
 
     return fn, [(lead + (shape.q_heads, shape.seq, shape.head_dim), dt),
                 (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt),

@@ -122,24 +122,36 @@ class FlashAttention(Adapter):
                                      block_q_bwd=128, block_kv_bwd=128)
 
     def cost(self, shape, generation, tiles=None):
+        ids = shape.segment_ids()
         t = tiles or self.mod.tiling.choose_tiles(
             q_len=shape.seq, kv_len=shape.seq, num_q_heads=shape.q_heads,
             num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
-            causal=shape.causal, window_size=_window_size(shape), generation=generation)
+            causal=shape.causal, window_size=_window_size(shape), generation=generation,
+            segments=ids is not None)
+        rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
         c = self.mod.tiling.estimate_cost(
             batch=shape.batch, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
             q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, dtype=shape.dtype,
             causal=shape.causal, window_size=_window_size(shape), tiles=t,
-            generation=generation, pass_="fwd")
-        return c, {"tiling": [t.block_q, t.block_kv, t.block_kv_compute], "notes": [
-            "writes lse (f32 per row) for the backward"]}
+            generation=generation, pass_="fwd", q_segment_ids=rows, kv_segment_ids=rows)
+        notes = ["writes lse (f32 per row) for the backward"]
+        if ids is not None:
+            notes.append("segment ids: block pairs between documents leave the work list "
+                         "(no step, no DMA)")
+        return c, {"tiling": [t.block_q, t.q_compute, t.block_kv, t.block_kv_compute],
+                   "notes": notes}
 
     def _fn(self, shape, generation, tiles=None):
+        import jax.numpy as jnp
+
         fwd = self.mod.kernel.flash_attention_fwd
+        ids = shape.segment_ids()
+        rows = None if ids is None else jnp.broadcast_to(jnp.asarray(ids), (shape.batch, shape.seq))
 
         def fn(q, k, v):
             o, _ = fwd(q, k, v, causal=shape.causal, window_size=_window_size(shape),
-                       softcap=shape.softcap or 0.0, tiles=tiles, generation=generation)
+                       softcap=shape.softcap or 0.0, tiles=tiles, generation=generation,
+                       q_segment_ids=rows, kv_segment_ids=rows)
             return o
 
         return fn

@@ -66,6 +66,18 @@ class AttentionShape:
     window: int | None = None  # sliding window: a query sees itself and the window-1 keys before it
     softcap: float | None = None
     dtype: str = "bfloat16"
+    # Packed documents: every row holds this many equal-length documents, given to the kernels as
+    # segment ids (a query sees only keys of its own document, causally within it).
+    documents: int | None = None
+
+    def segment_ids(self):
+        """[seq] int32 document ids of one row (the same for every row), or None."""
+        import numpy as np
+
+        if self.documents is None:
+            return None
+        assert self.seq % self.documents == 0, "documents must divide seq"
+        return (np.arange(self.seq) // (self.seq // self.documents)).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,8 @@ NAMED = {
         # Shapes tokamax's published TPU timings cover (causal, no window, no soft cap).
         AttentionShape("llama3_8b_causal_b32_4096", 32, 32, 8, 4096, 128),
         AttentionShape("d256_causal_b2_8192", 2, 8, 8, 8192, 256),
+        # Pre-training on packed sequences: 8 documents of 1024 tokens in each 8192-token row.
+        AttentionShape("llama3_8b_packed8x1024_8192", 1, 32, 8, 8192, 128, documents=8),
     ],
     "paged_attention": [
         PagedShape("llama3_8b_decode_b64_ctx8192", tuple((1, 8192) for _ in range(64)), 32, 8, 128,
@@ -139,6 +153,7 @@ SMALL = {
     "flash_attention": [
         AttentionShape("small_causal_512", 1, 2, 1, 512, 128),
         AttentionShape("small_window128_512", 1, 2, 1, 512, 128, window=128),
+        AttentionShape("small_packed4x128_512", 1, 2, 1, 512, 128, documents=4),
     ],
     "paged_attention": [
         PagedShape("small_decode_b4_ctx300", tuple((1, 300) for _ in range(4)), 4, 1, 128,

@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.compile]
 SHAPES = {
     # 32 query heads, 8 KV heads, head dim 128, 8192 tokens, causal, batch 1
     "llama3_8b": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(-1, -1), softcap=0.0),
+    # the same with a 1024-token sliding window (the benchmarks' window target)
+    "llama3_8b_window1024": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(1023, 0),
+                                 softcap=0.0),
     # head dim 256, soft cap 50, sliding window 4096 (as Transformers passes it: (4095, 4095))
     "gemma2": dict(Hq=16, Hkv=8, S=8192, D=256, causal=True, window=(4095, 4095), softcap=50.0),
 }
@@ -75,3 +78,23 @@ def test_compiles_varlen_sinks_odd_head_dim(gen):
         gen, lambda q, k, v, o, lse, do, s, cu: K.flash_attention_bwd(
             q, k, v, o, lse, do, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg)[:4],
         q, kv, kv, q, ((1, Hq, T_), jnp.float32), q, sinks, cu)
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_compiles_segment_ids_at_llama_shape(gen):
+    """Dense segment ids (packed documents in one row) at Llama-3-8B 8192 causal, both directions."""
+    s = SHAPES["llama3_8b"]
+    Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
+    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                           dtype=jnp.bfloat16, causal=True, generation=gen, segments=True)
+    q = ((1, Hq, S, D), jnp.bfloat16)
+    kv = ((1, Hkv, S, D), jnp.bfloat16)
+    seg = ((1, S), jnp.int32)
+    tpu_compile.compile_for(
+        gen, lambda q, k, v, sq, sk: K.flash_attention_fwd(
+            q, k, v, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles),
+        q, kv, kv, seg, seg)
+    tpu_compile.compile_for(
+        gen, lambda q, k, v, o, lse, do, sq, sk: K.flash_attention_bwd(
+            q, k, v, o, lse, do, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles)[:3],
+        q, kv, kv, q, ((1, Hq, S), jnp.float32), q, seg, seg)

@@ -16,9 +16,11 @@ import kernel_loader
 fa = kernel_loader.load_kernel("flash_attention")
 K, R, T = fa.kernel, fa.reference, fa.tiling
 
-# Small tiles so that short sequences still span several q and kv blocks (plain interpret mode
-# accepts any power-of-two tile; real TPUs get >= 128 from choose_tiles).
-SMALL = T.Tiles(block_q=16, block_kv=32, block_kv_compute=16, block_q_bwd=16, block_kv_bwd=32)
+# Small tiles so that short sequences still span several q and kv blocks, each split into two
+# compute tiles per axis (plain interpret mode accepts any power-of-two tile; real TPUs get >= 128
+# from choose_tiles).
+SMALL = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=16, block_kv_bwd=32,
+                block_q_compute=16)
 # Fewer, heavier examples than the profile's default: each one compiles two kernels.
 N_EXAMPLES = max(3, settings.default.max_examples // 2)
 
@@ -248,6 +250,41 @@ def test_work_list_is_exactly_the_nonempty_pairs(kv_major, causal, window):
     assert np.all(dynamic[3, n:] == 0) and np.all(dynamic[:3, n:] == static[:3, -1:])
 
 
+@pytest.mark.parametrize("kv_major", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_ids_drop_pairs_per_batch_row(kv_major, causal):
+    """With segment ids every batch row gets its own list: it keeps every pair that holds an
+    allowed same-segment (query, key) pair, and drops every pair whose id ranges are disjoint."""
+    band = K.Band.make(causal, -1, -1)
+    S, bq, bk = 96, 16, 32
+    seqs = tuple(np.array([v], np.int32) for v in (0, S, 0, S, 0))
+    rows = [np.repeat([0, 1, 2, 3], [20, 30, 6, 40]),  # packed documents
+            np.zeros(S, np.int64),  # one document: nothing to drop beyond the band
+            np.repeat([5, 7], [50, 46])]
+    band_list = K.build_work_list(seqs, S // bq, S // bk, bq, bk, band, kv_major=kv_major)
+    n_band = int(((band_list[3] & K.VALID) != 0).sum())
+    for ids in rows:
+        qb, kb = ids.reshape(-1, bq), ids.reshape(-1, bk)
+        ranges = (qb.min(1), qb.max(1), kb.min(1), kb.max(1))
+        it = K.build_work_list(seqs, S // bq, S // bk, bq, bk, band, kv_major=kv_major,
+                               segment_ranges=ranges)
+        valid = (it[3] & K.VALID) != 0
+        got = {(int(a), int(b)) for a, b in zip(it[0][valid], it[1][valid])}
+        assert len(got) == int(valid.sum())
+        need = {(t // bq, u // bk) for t in range(S) for u in range(S)
+                if ids[t] == ids[u] and (u <= t or not causal)}
+        assert need <= got
+        for qi, ki in got:
+            assert qb[qi].min() <= kb[ki].max() and kb[ki].min() <= qb[qi].max()
+        if len(set(ids)) > 1:
+            assert len(got) < n_band  # documents that do not meet cost no step
+        else:
+            assert len(got) == n_band
+        outer = it[1] if kv_major else it[0]
+        n_outer = S // (bk if kv_major else bq)
+        assert sorted(outer[(it[3] & K.FIRST) != 0].tolist()) == list(range(n_outer))
+
+
 def test_cost_model_no_steps_on_empty_pairs_and_window_savings():
     shape = dict(batch=1, num_q_heads=32, num_kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
                  dtype=jnp.bfloat16)
@@ -269,6 +306,23 @@ def test_cost_model_no_steps_on_empty_pairs_and_window_savings():
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_default_tiles_near_minimum_bytes_and_window_work_cut(gen):
+    """At Llama-3-8B 8192 with the tiles choose_tiles picks: full causal moves at most 1.3x the
+    minimum bytes, a 1024 window at most 1.02x, and the window cuts MXU work and modelled time
+    at least 2.8x (benchmarks/window_cut.py prints the whole comparison)."""
+    shape = dict(batch=1, num_q_heads=32, num_kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
+                 dtype=jnp.bfloat16, causal=True, generation=gen)
+    g = T.GENERATIONS[gen]
+    full = T.estimate_cost(window_size=(-1, -1), **shape)
+    win = T.estimate_cost(window_size=(1023, 0), **shape)
+    assert full.hbm_bytes <= 1.3 * full.min_hbm_bytes
+    assert win.hbm_bytes <= 1.02 * win.min_hbm_bytes
+    assert win.grid_steps < full.grid_steps
+    assert full.mxu_flops >= 2.8 * win.mxu_flops
+    assert full.modelled_seconds(g) >= 2.8 * win.modelled_seconds(g)
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
 def test_choose_tiles_fits_vmem(gen):
     g = T.GENERATIONS[gen]
     for d, (hq, hkv) in ((128, (32, 8)), (256, (8, 4)), (64, (16, 1))):
@@ -276,8 +330,8 @@ def test_choose_tiles_fits_vmem(gen):
                            dtype=jnp.bfloat16, causal=True, generation=gen)
         assert t.block_q >= 128 and t.block_kv >= 128 and t.block_q_bwd >= 128
         assert t.vmem_limit_bytes <= g.vmem_bytes * 3 // 4
-        assert T.vmem_need_fwd(hq // hkv, d, 2, t.block_q, t.block_kv, t.block_kv_compute) \
-            <= t.vmem_limit_bytes
+        assert T.vmem_need_fwd(hq // hkv, d, 2, t.block_q, t.block_kv, t.block_kv_compute,
+                               block_q_compute=t.q_compute) <= t.vmem_limit_bytes
     override = T.Tiles(128, 128, 128, 128, 128)
     assert T.choose_tiles(q_len=1, kv_len=1, num_q_heads=1, num_kv_heads=1, head_dim=64,
                           dtype=jnp.float32, override=override) is override
@@ -303,7 +357,8 @@ def _no_races():
     return not (races is not None and races.races_found)
 
 
-TINY = T.Tiles(block_q=16, block_kv=32, block_kv_compute=16, block_q_bwd=16, block_kv_bwd=16)
+TINY = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=16, block_kv_bwd=16,
+               block_q_compute=16)
 
 
 @pytest.mark.tpu_interpret
@@ -370,7 +425,7 @@ class _HbmCounter:
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["dense_window_sinks", "varlen_causal"])
+@pytest.mark.parametrize("case", ["dense_window_sinks", "varlen_causal", "dense_segments"])
 def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
     from jax.experimental.pallas import tpu as pltpu
 
@@ -383,6 +438,16 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
         cfg = dict(causal=True, window_size=(100, -1))
         kw = dict(sinks=_rand(2, (Hq,)))
         cost_kw = dict(batch=B, q_len=S, kv_len=S, has_sinks=True)
+    elif case == "dense_segments":
+        # Two rows with different documents: each row's list drops its own empty pairs.
+        B, Hq, Hkv, S, D, dtype = 2, 2, 1, 384, 128, jnp.float32
+        q = _rand(0, (B, Hq, S, D), dtype)
+        k = _rand(1, (B, Hkv, S, D), dtype)
+        ids = np.stack([np.repeat([0, 1, 2], [128, 128, 128]), np.repeat([4, 9], [300, 84])])
+        tiles = T.Tiles(128, 128, 128, 128, 128)
+        cfg = dict(causal=True)
+        kw = dict(q_segment_ids=jnp.asarray(ids), kv_segment_ids=jnp.asarray(ids))
+        cost_kw = dict(batch=B, q_len=S, kv_len=S, q_segment_ids=ids, kv_segment_ids=ids)
     else:
         B, Hq, Hkv, S, D, dtype = 1, 4, 2, 600, 64, jnp.bfloat16
         cu = [0, 100, 350, 350, 600]
@@ -396,6 +461,16 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
                    count_scalar_prefetch=False)
     o, lse = jax.jit(functools.partial(K.flash_attention_fwd, tiles=tiles, interpret=True, **cfg))(
         q, k, k, **kw)
+    if case == "dense_segments":
+        # the segment ids do drop pairs: fewer steps and bytes than the band alone
+        plain = {k_: v_ for k_, v_ in cost_kw.items() if "segment" not in k_}
+        with_ids = T.estimate_cost(pass_="fwd", **cost_kw)
+        band_only = T.estimate_cost(pass_="fwd", segments=True, **plain)
+        assert with_ids.hbm_bytes < band_only.hbm_bytes
+        assert with_ids.useful_flops < band_only.useful_flops
+        ref = R.attention(q, k, k, q_segment_ids=kw["q_segment_ids"],
+                          kv_segment_ids=kw["kv_segment_ids"], **cfg)
+        _close(o, ref, **_tol(dtype))
     pltpu.reset_tpu_interpret_mode_state()
     try:
         counter = _HbmCounter(monkeypatch)
@@ -406,5 +481,6 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
         jax.block_until_ready(K.flash_attention_bwd(q, k, k, o, lse, q, tiles=tiles,
                                                     interpret=params, **cfg, **kw))
         assert counter.block_bytes == T.estimate_cost(pass_="bwd", **cost_kw).hbm_bytes
+        assert _no_races()
     finally:
         pltpu.reset_tpu_interpret_mode_state()

@@ -11,17 +11,25 @@ lie inside the same sequence (varlen), the same segment (segment ids) and
 minus the left window. One rule serves causal, sliding windows, Sq != Sk, varlen and padding.
 
 Schedule. `build_work_list` enumerates the (q block, kv block, sequence) triples whose rectangle
-meets the allowed band, in q-major order for the forward and the dq pass and kv-major order for the
-dk/dv pass, with cheap array ops (numpy when everything is static, jnp with a static upper bound
-for cu_seqlens). The list is scalar-prefetched into SMEM and the grid is (B, Hkv, items): the
-BlockSpec index maps read the list, so an empty pair costs neither a grid step nor a DMA. Padding
-items at the end repeat the last item's block indices (no copy) and do nothing. An outer block that
-no pair touches gets one "dummy" item so its output is still written (zeros).
+meets the allowed band (and, with segment ids, whose blocks' id ranges meet), in q-major order for
+the forward and the dq pass and kv-major order for the dk/dv pass, with cheap array ops (numpy
+when everything is static; jnp with a static length bound for cu_seqlens and segment ids, one list
+per batch row for segment ids). The list is scalar-prefetched into SMEM and the grid is
+(B, Hkv, items): the BlockSpec index maps read the list, so an empty pair costs neither a grid step
+nor a DMA. A list built on device has a padding tail, but the grid's last dimension is then
+dynamic (the live length), so the tail costs no step either; a shorter batch row's padding items
+repeat its last item's block indices (no copy) and do nothing. An outer block that no pair
+touches gets one "dummy" item so its output is still written (zeros).
 
-Forward: per item, the kv tile (block_kv rows, one DMA) is processed in block_kv_compute slices;
-a slice the band leaves empty is skipped, and a slice wholly inside the band runs without a mask. Online softmax keeps f32 running max m and sum l per
-row in VMEM scratch (an attention sink starts them at m = sink, l = 1). At the last item of a q
-block the output and the log-sum-exp (lse, used by the backward) are written.
+Forward: large DMA blocks, small compute tiles. An item brings block_q query tokens and block_kv
+keys into VMEM (one DMA each: fewer steps, and K/V are re-read once per q block), then walks score
+tiles of block_q_compute x block_kv_compute: for each q compute tile it computes from the band
+which kv slices any of its rows can see and which all of its rows see, and loops over exactly
+those, with no mask inside the band and a mask only at its edges. So a sliding window or the
+causal diagonal costs masked work near the edge only, however large the DMA blocks. Online softmax
+keeps f32 running max m and sum l per row in VMEM scratch (an attention sink starts them at
+m = sink, l = 1). At the last item of a q block the output and the log-sum-exp (lse, used by the
+backward) are written.
 
 Backward: dk/dv walk q blocks for each kv block (kv-major list) in transposed form (scores are
 [kv rows, q rows], so lse and di = rowsum(do * o) arrive as lane rows); dq walks kv blocks for each
@@ -91,7 +99,7 @@ def _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, off, band: Band):
     return ok
 
 
-def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major):
+def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major, segment_ranges=None):
     """Non-empty mask over candidates in list order: [outer, seq, inner]."""
     q_lo_s, q_hi_s, k_lo_s, k_hi_s, off_s = (xp.asarray(a) for a in seqs)
     qi = xp.arange(nq, dtype=np.int32)
@@ -108,6 +116,11 @@ def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major):
     k_lo = xp.maximum(ki_b * block_kv, s(k_lo_s))
     k_hi = xp.minimum((ki_b + 1) * block_kv, s(k_hi_s))
     ok = _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, s(off_s), band)
+    if segment_ranges is not None:
+        # A pair whose q block and kv block hold disjoint ranges of segment ids has no allowed
+        # (query, key) pair: exact for packed (sorted) ids, never wrong for any ids.
+        q_min, q_max, k_min, k_max = segment_ranges
+        ok = ok & (q_min[qi_b] <= k_max[ki_b]) & (k_min[ki_b] <= q_max[qi_b])
     n_seq = q_lo_s.shape[0]
     outer = nk if kv_major else nq
     inner = nq if kv_major else nk
@@ -119,15 +132,18 @@ def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major):
 
 
 def build_work_list(seqs, nq, nk, block_q, block_kv, band: Band, *, kv_major: bool,
-                    max_items: Optional[int] = None):
+                    max_items: Optional[int] = None, segment_ranges=None):
     """The items as an int32 array [4, L]: rows q block, kv block, sequence, flags.
 
-    `seqs` = (q_lo, q_hi, k_lo, k_hi, offset), int32 [n_seq] each. With numpy inputs (everything
-    static) L is the exact number of items; with jnp inputs L = `max_items` (a static bound) and the
-    tail repeats the last item with flags 0.
+    `seqs` = (q_lo, q_hi, k_lo, k_hi, offset), int32 [n_seq] each; `segment_ranges` = (min, max)
+    segment id of each q block and of each kv block ([nq], [nq], [nk], [nk]), for one batch row.
+    With numpy inputs (everything static) L is the exact number of items; with jnp inputs
+    L = `max_items` (a static bound) and the tail repeats the last item with flags 0.
     """
-    xp = np if all(isinstance(a, np.ndarray) for a in seqs) else jnp
-    ok, qi, ki, si = _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major)
+    arrays = tuple(seqs) + tuple(segment_ranges or ())
+    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+    ok, qi, ki, si = _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major,
+                                 segment_ranges)
     outer_n = ok.shape[0]
     # One dummy candidate per outer block, live only when the block has no pair: its output must
     # still be written.
@@ -216,6 +232,29 @@ def _allowed(t, u, seq, band: Band):
     return ok
 
 
+def _block_inside_band(qi, ki, block_q, block_kv, seq, band: Band):
+    """Whether every (query, key) pair of the block pair is allowed: all its rows and keys lie in
+    the sequence and every distance is inside the band. Such a block needs no mask."""
+    q_lo, q_hi, k_lo, k_hi, off = seq
+    t0, u0 = qi * block_q, ki * block_kv
+    inside = (t0 >= q_lo) & (t0 + block_q <= q_hi) & (u0 >= k_lo) & (u0 + block_kv <= k_hi)
+    if band.hi < _UNBOUNDED:
+        inside = inside & ((u0 + block_kv - 1) - t0 + off <= band.hi)
+    if band.lo > -_UNBOUNDED:
+        inside = inside & (u0 - (t0 + block_q - 1) + off >= band.lo)
+    return inside
+
+
+def _when_masked_or_not(live, inside, has_segments, body):
+    """Run body(masked) for a live block: without the mask when the block is wholly inside the
+    band (and no segment ids), with it otherwise."""
+    if has_segments:
+        pl.when(live)(functools.partial(body, True))
+        return
+    pl.when(live & inside)(functools.partial(body, False))
+    pl.when(live & jnp.logical_not(inside))(functools.partial(body, True))
+
+
 def _scores(s, scale, softcap):
     """Scaled (and soft-capped) f32 scores; returns (scores, tanh) for the softcap gradient."""
     if softcap:
@@ -224,11 +263,24 @@ def _scores(s, scale, softcap):
     return s * scale, None
 
 
-def _current_item(items_ref, n_items):
-    """(q block, kv block, sequence slot, flags) of the work item this grid step runs: the list
-    holds the four fields as consecutive rows of n_items in SMEM."""
-    i = pl.program_id(2)
-    return tuple(items_ref[field * n_items + i] for field in range(4))
+@dataclasses.dataclass(frozen=True)
+class ListLayout:
+    """Where the fields of item i sit in the flat SMEM work list: four consecutive rows of n_items
+    (q block, kv block, sequence slot, flags), either one list for the whole batch or, when
+    segment ids make the non-empty pairs differ between batch rows, one list per row."""
+
+    n_items: int
+    per_batch: bool = False
+
+    def field(self, items, b, i, field):
+        base = b * (4 * self.n_items) if self.per_batch else 0
+        return items[base + field * self.n_items + i]
+
+
+def _current_item(items_ref, layout: ListLayout):
+    """(q block, kv block, sequence slot, flags) of the work item this grid step runs."""
+    b, i = pl.program_id(0), pl.program_id(2)
+    return tuple(layout.field(items_ref, b, i, f) for f in range(4))
 
 
 def _pop_segment_refs(refs, has_segments):
@@ -243,17 +295,19 @@ def _pop_segment_refs(refs, has_segments):
 # -------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv,
-                block_kv_compute, band, scale, softcap, has_sinks, has_segments):
+def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
+                block_q_compute, block_kv_compute, band, scale, softcap, has_sinks, has_segments):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[3:], has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     h = pl.program_id(1)
-    qi, ki, si, flags = _current_item(items_ref, n_items)
-    rows = groups * block_q
+    qi, ki, si, flags = _current_item(items_ref, layout)
+    bqc, bkc = block_q_compute, block_kv_compute
+    rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
     seq = _seq_scalars(seq_ref, si, n_seq)
+    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -261,38 +315,35 @@ def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, bloc
         if has_sinks:
             # The sink joins the denominator: start the running max at it with sum exp(0) = 1.
             for g in range(groups):
-                m_ref[g * block_q:(g + 1) * block_q, :] = jnp.full(
-                    (block_q, NUM_LANES), sinks_ref[h * groups + g], jnp.float32)
+                m_ref[g] = jnp.full((block_q, NUM_LANES), sinks_ref[h * groups + g], jnp.float32)
             l_ref[...] = jnp.ones_like(l_ref)
         else:
             m_ref[...] = jnp.full_like(m_ref, NEG_INF)
             l_ref[...] = jnp.zeros_like(l_ref)
 
-    q_lo_blk = qi * block_q
-    q_hi_blk = q_lo_blk + block_q
-    q_lo_c = jnp.maximum(q_lo_blk, seq[0])
-    q_hi_c = jnp.minimum(q_hi_blk, seq[1])
-
-    def step(c, u0, masked):
-        q = q_ref[...].reshape(rows, q_ref.shape[-1])
-        k = k_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
-        v = v_ref[pl.ds(c * block_kv_compute, block_kv_compute), :]
+    def tile(r0, t0, c, masked):
+        """One score tile: the q compute tile at row r0 of the block (tokens t0...) against kv
+        compute slice c, folded into the running statistics of those rows."""
+        rows = pl.ds(r0, bqc)
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        q = q_ref[:, rows, :].reshape(rows_c, q_ref.shape[-1])
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         s, _ = _scores(s, scale, softcap)
-        m_prev = m_ref[:, 0:1]
-        l_prev = l_ref[:, 0:1]
+        m_prev = m_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
+        l_prev = l_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         if masked:
-            shape = (rows, block_kv_compute)
-            # Rows stack G heads of block_q tokens: the token is the row index mod block_q.
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + q_lo_blk
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + u0
+            shape = (rows_c, bkc)
+            # Rows stack G heads of bqc tokens: the token is the row index mod bqc.
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (ki * block_kv + c * bkc)
             mask = _allowed(t, u, seq, band)
             if has_segments:
-                qs = qseg_ref[:, 0:1]
+                qs = qseg_ref[rows, 0:1]
                 qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
-                ks = kseg_ref[0:1, pl.ds(c * block_kv_compute, block_kv_compute)]
-                mask = mask & (qs == ks)
+                mask = mask & (qs == kseg_ref[c][0:1, :])
             m_cur = jnp.max(jnp.where(mask, s, NEG_INF), axis=1, keepdims=True)
             m_new = jnp.maximum(m_prev, m_cur)
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
@@ -303,36 +354,74 @@ def _fwd_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, bloc
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * alpha + pv
-        m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+        acc = acc_ref[:, rows, :].reshape(rows_c, acc_ref.shape[-1])
+        acc_ref[:, rows, :] = (acc * alpha + pv).reshape(groups, bqc, acc_ref.shape[-1])
+        stat_shape = (groups, bqc, NUM_LANES)
+        m_ref[:, rows, :] = jnp.broadcast_to(m_new, (rows_c, NUM_LANES)).reshape(stat_shape)
+        l_ref[:, rows, :] = jnp.broadcast_to(l_new, (rows_c, NUM_LANES)).reshape(stat_shape)
 
-    for c in range(block_kv // block_kv_compute):
-        u0 = ki * block_kv + c * block_kv_compute
-        u1 = u0 + block_kv_compute
-        k_lo_c = jnp.maximum(u0, seq[2])
-        k_hi_c = jnp.minimum(u1, seq[3])
-        live = ((flags & VALID) != 0) & _rect_nonempty(jnp, q_lo_c, q_hi_c, k_lo_c, k_hi_c, seq[4], band)
-        if has_segments:
-            pl.when(live)(functools.partial(step, c, u0, True))
-            continue
-        # A tile wholly inside its sequence and the band needs no mask: most tiles of a long
-        # sequence, and the mask costs as much VPU work as the softmax itself.
-        interior = ((q_lo_blk >= seq[0]) & (q_hi_blk <= seq[1]) & (u0 >= seq[2]) & (u1 <= seq[3]))
-        if band.hi < _UNBOUNDED:
-            interior = interior & ((u1 - 1) - q_lo_blk + seq[4] <= band.hi)
+    def slice_range(lo_key, hi_key):
+        """Compute slices of this kv block overlapping keys [lo_key, hi_key] (inclusive), as
+        [first, end); wholly inside them when `inner`. Shifts: bkc is a power of two."""
+        base = ki * block_kv
+        a = jnp.maximum(lo_key, base) - base
+        b = jnp.minimum(hi_key, base + block_kv - 1) - base
+        shift = bkc.bit_length() - 1
+        first = a >> shift
+        end = jnp.where(a <= b, (b >> shift) + 1, first)
+        return first, end
+
+    def run(first, end, r0, t0, masked):
+        jax.lax.fori_loop(first, end, lambda c, _: tile(r0, t0, c, masked), None)
+
+    def q_tile(j, _):
+        # Query tokens [t0, t0 + bqc) of this compute tile; tq_lo/tq_hi: those inside the sequence.
+        r0 = pl.multiple_of(j * bqc, bqc)
+        t0 = qi * block_q + r0
+        tq_lo = jnp.maximum(t0, q_seq_lo)
+        tq_hi = jnp.minimum(t0 + bqc, q_seq_hi) - 1
+        # Keys some row may see: inside the sequence and d = u - t + off within the band.
+        see_lo, see_hi = k_seq_lo, k_seq_hi - 1
         if band.lo > -_UNBOUNDED:
-            interior = interior & (u0 - (q_hi_blk - 1) + seq[4] >= band.lo)
-        pl.when(live & interior)(functools.partial(step, c, u0, False))
-        pl.when(live & jnp.logical_not(interior))(functools.partial(step, c, u0, True))
+            see_lo = jnp.maximum(see_lo, tq_lo - off + band.lo)
+        if band.hi < _UNBOUNDED:
+            see_hi = jnp.minimum(see_hi, tq_hi - off + band.hi)
+        see_hi = jnp.where(tq_lo <= tq_hi, see_hi, see_lo - 1)  # no row in the sequence
+        first, end = slice_range(see_lo, see_hi)
+        if has_segments:
+            run(first, end, r0, t0, True)
+            return None
+        # Keys every row may see: slices wholly inside run without a mask (most tiles of a long
+        # sequence; the mask costs as much VPU work as the softmax itself).
+        all_lo, all_hi = k_seq_lo, k_seq_hi - 1
+        if band.lo > -_UNBOUNDED:
+            all_lo = jnp.maximum(all_lo, t0 + bqc - 1 - off + band.lo)
+        if band.hi < _UNBOUNDED:
+            all_hi = jnp.minimum(all_hi, t0 - off + band.hi)
+        rows_inside = (t0 >= q_seq_lo) & (t0 + bqc <= q_seq_hi)
+        base = ki * block_kv
+        shift = bkc.bit_length() - 1
+        in_first = (jnp.maximum(all_lo, base) - base + bkc - 1) >> shift
+        in_end = (jnp.minimum(all_hi, base + block_kv - 1) - base + 1) >> shift
+        in_first = jnp.clip(in_first, first, end)
+        in_end = jnp.where(rows_inside, jnp.clip(in_end, in_first, end), in_first)
+        run(first, in_first, r0, t0, True)
+        run(in_first, in_end, r0, t0, False)
+        run(in_end, end, r0, t0, True)
+        return None
+
+    @pl.when((flags & VALID) != 0)
+    def _compute():
+        jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        l = l_ref[:, 0:1]
-        m = m_ref[:, 0:1]
+        rows = groups * block_q
+        l = l_ref[...].reshape(rows, NUM_LANES)[:, 0:1]
+        m = m_ref[...].reshape(rows, NUM_LANES)[:, 0:1]
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o = acc_ref[...] * inv
+        o = acc_ref[...].reshape(rows, acc_ref.shape[-1]) * inv
         o_ref[...] = o.reshape(o_ref.shape).astype(o_ref.dtype)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), BIG_LSE)
         # Column -> row: lse is stored lane-major, [G, block_q] per q block.
@@ -382,11 +471,48 @@ def _seq_table_varlen(cu_q, cu_k):
     return (cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:], cu_q[1:] - cu_k[1:])
 
 
-def _items(seqs, prob, nq, nk, bq, bk, kv_major):
+def _segment_ranges(ids, block):
+    """(min, max) segment id of each block of `ids` [B, S] -> [B, S // block] each."""
+    blocks = ids.reshape(ids.shape[0], -1, block)
+    return blocks.min(axis=2), blocks.max(axis=2)
+
+
+def _items(seqs, prob, nq, nk, bq, bk, kv_major, qseg_ids=None, kseg_ids=None):
+    """(flat work list for SMEM, its ListLayout, grid steps along the list).
+
+    Without segment ids or cu_seqlens everything is static: the list is exact and the grid walks
+    all of it. Otherwise the list is built on device with a static length (SMEM is sized at trace
+    time), per batch row when segment ids are given, and the grid's last dimension is dynamic:
+    the longest row's live items, so the padding tail costs no grid step."""
+    if prob.max_items is None and qseg_ids is None:
+        it = build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major)
+        return jnp.asarray(it).reshape(-1), ListLayout(it.shape[1]), it.shape[1]
     if prob.max_items is None:
-        return jnp.asarray(build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major))
-    bound = max_work_items(prob.n_seq, nq, nk)
-    return build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major, max_items=bound)
+        # Segment ids only remove pairs (an emptied outer block trades its items for one dummy),
+        # so the band's own static list bounds the length.
+        bound = build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major).shape[1]
+    else:
+        bound = max_work_items(prob.n_seq, nq, nk)
+    build = functools.partial(build_work_list, seqs, nq, nk, bq, bk, prob.band,
+                              kv_major=kv_major, max_items=bound)
+    if qseg_ids is None or not _tiling.per_batch_lists_fit(qseg_ids.shape[0], bound):
+        lists, layout = build()[None], ListLayout(bound)
+    else:
+        ranges = (*_segment_ranges(qseg_ids, bq), *_segment_ranges(kseg_ids, bk))
+        lists = jax.vmap(lambda *r: build(segment_ranges=r))(*ranges)  # [B, 4, bound]
+        layout = ListLayout(bound, per_batch=True)
+    # Live items (dummies included) carry a flag; the padding tail has none.
+    steps = jnp.max(jnp.sum(jnp.asarray(lists)[:, 3, :] != 0, axis=1)).astype(jnp.int32)
+    if not isinstance(steps, jax.core.Tracer):
+        steps = int(steps)  # called eagerly: a static grid for this concrete list
+    return jnp.asarray(lists).reshape(-1), layout, steps
+
+
+def _segment_id_rows(qseg, kseg):
+    """Plain [B, S] id rows from the kernels' lane-replicated layouts (None without ids)."""
+    if qseg is None:
+        return None, None
+    return qseg[:, :, 0], kseg[:, 0, :]
 
 
 def _seq_array(seqs):
@@ -397,18 +523,20 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles)."""
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
-    bq, bk, bkc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute
+    bq, bk, bkc, bqc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute, tiles.q_compute
     nq, nk = Sq // bq, Sk // bk
-    items = _items(seqs, prob, nq, nk, bq, bk, kv_major=False)
-    n_items = items.shape[1]
     has_sinks = sinks is not None
     has_segments = qseg is not None
+    qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
+    items, layout, steps = _items(seqs, prob, nq, nk, bq, bk, False, qseg_ids, kseg_ids)
+    q_block = lambda b, i, it: layout.field(it, b, i, 0)  # noqa: E731
+    kv_block = lambda b, i, it: layout.field(it, b, i, 1)  # noqa: E731
 
     def q_map(b, h, i, it, sq):
-        return (b, h, 0, it[i], 0)
+        return (b, h, 0, q_block(b, i, it), 0)
 
     def kv_map(b, h, i, it, sq):
-        return (b, h, it[n_items + i], 0)
+        return (b, h, kv_block(b, i, it), 0)
 
     in_specs, args = [], []
     if has_sinks:
@@ -422,32 +550,34 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     args += [q5, k4, v4]
     if has_segments:
         in_specs += [
-            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, it[i], 0)),
-            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, it[n_items + i])),
+            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),
+            # kv ids as lane rows, one [8, bkc] slab per compute slice (indexed on a leading dim).
+            pl.BlockSpec((None, bk // bkc, NUM_SUBLANES, bkc),
+                         lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0)),
         ]
-        args += [qseg, kseg]
+        kseg_slabs = kseg[:, 0, :].reshape(B, Sk // bkc, 1, bkc)
+        args += [qseg, jnp.broadcast_to(kseg_slabs, (B, Sk // bkc, NUM_SUBLANES, bkc))]
     out_specs = [
         pl.BlockSpec((None, None, G, bq, D), q_map),
-        pl.BlockSpec((None, None, G, bq), lambda b, h, i, it, sq: (b, h, 0, it[i])),
+        pl.BlockSpec((None, None, G, bq), lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it))),
     ]
     out_shape = [
         jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         jax.ShapeDtypeStruct((B, Hkv, G, Sq), jnp.float32),
     ]
     kernel = functools.partial(
-        _fwd_kernel, n_items=n_items, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
-        block_kv_compute=bkc, band=prob.band, scale=prob.scale, softcap=prob.softcap,
-        has_sinks=has_sinks, has_segments=has_segments)
-    rows = G * bq
+        _fwd_kernel, layout=layout, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
+        block_q_compute=bqc, block_kv_compute=bkc, band=prob.band, scale=prob.scale,
+        softcap=prob.softcap, has_sinks=has_sinks, has_segments=has_segments)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(B, Hkv, n_items),
+        grid=(B, Hkv, steps),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[
-            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
-            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
-            pltpu.VMEM((rows, D), jnp.float32),
+            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),  # running max m
+            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),  # running sum l
+            pltpu.VMEM((G, bq, D), jnp.float32),  # output accumulator
         ],
     )
     o, lse = pl.pallas_call(
@@ -460,7 +590,7 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         ),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(items.reshape(-1), _seq_array(seqs), *args)
+    )(items, _seq_array(seqs), *args)
     return o, lse
 
 
@@ -469,13 +599,13 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
 # -------------------------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv, band,
+def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv, band,
                  scale, softcap, has_segments):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dk_ref, dv_ref, dk_acc, dv_acc = refs
-    qi, ki, si, flags = _current_item(items_ref, n_items)
+    qi, ki, si, flags = _current_item(items_ref, layout)
     rows = groups * block_q
     seq = _seq_scalars(seq_ref, si, n_seq)
 
@@ -484,8 +614,7 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, blo
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    @pl.when((flags & VALID) != 0)
-    def _step():
+    def _step(masked):
         D = q_ref.shape[-1]
         q = q_ref[...].reshape(rows, D)
         do = do_ref[...].reshape(rows, D)
@@ -496,14 +625,18 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, blo
         di = jnp.concatenate([di_ref[g:g + 1, :] for g in range(groups)], axis=1)
         st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         st, c = _scores(st, scale, softcap)
-        shape = (block_kv, rows)
-        u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + ki * block_kv
-        t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (block_q - 1)) + qi * block_q
-        mask = _allowed(t, u, seq, band)
-        if has_segments:
-            qs = jnp.concatenate([qseg_ref[0:1, :]] * groups, axis=1) if groups > 1 else qseg_ref[0:1, :]
-            mask = mask & (kseg_ref[:, 0:1] == qs)
-        pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
+        if masked:
+            shape = (block_kv, rows)
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + ki * block_kv
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (block_q - 1)) + qi * block_q
+            mask = _allowed(t, u, seq, band)
+            if has_segments:
+                qs = (jnp.concatenate([qseg_ref[0:1, :]] * groups, axis=1) if groups > 1
+                      else qseg_ref[0:1, :])
+                mask = mask & (kseg_ref[:, 0:1] == qs)
+            pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
+        else:
+            pt = jnp.exp(st - lse)
         dv_acc[...] += jax.lax.dot_general(pt.astype(do.dtype), do, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32)
         dpt = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -514,19 +647,23 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, blo
         dk_acc[...] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32)
 
+    _when_masked_or_not((flags & VALID) != 0,
+                        _block_inside_band(qi, ki, block_q, block_kv, seq, band),
+                        has_segments, _step)
+
     @pl.when((flags & LAST) != 0)
     def _finish():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block_kv, band,
+def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv, band,
                scale, softcap, has_segments):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dq_ref, dq_acc, lse_col, di_col = refs
-    qi, ki, si, flags = _current_item(items_ref, n_items)
+    qi, ki, si, flags = _current_item(items_ref, layout)
     rows = groups * block_q
     seq = _seq_scalars(seq_ref, si, n_seq)
 
@@ -539,8 +676,7 @@ def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block
             lse_col[sl, :] = jnp.broadcast_to(lse_ref[g:g + 1, :], (NUM_LANES, block_q)).T
             di_col[sl, :] = jnp.broadcast_to(di_ref[g:g + 1, :], (NUM_LANES, block_q)).T
 
-    @pl.when((flags & VALID) != 0)
-    def _step():
+    def _step(masked):
         D = q_ref.shape[-1]
         q = q_ref[...].reshape(rows, D)
         do = do_ref[...].reshape(rows, D)
@@ -548,15 +684,18 @@ def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block
         v = v_ref[...]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s, c = _scores(s, scale, softcap)
-        shape = (rows, block_kv)
-        t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + qi * block_q
-        u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + ki * block_kv
-        mask = _allowed(t, u, seq, band)
-        if has_segments:
-            qs = qseg_ref[:, 0:1]
-            qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
-            mask = mask & (qs == kseg_ref[0:1, :])
-        p = jnp.where(mask, jnp.exp(s - lse_col[:, 0:1]), 0.0)
+        if masked:
+            shape = (rows, block_kv)
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + qi * block_q
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + ki * block_kv
+            mask = _allowed(t, u, seq, band)
+            if has_segments:
+                qs = qseg_ref[:, 0:1]
+                qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
+                mask = mask & (qs == kseg_ref[0:1, :])
+            p = jnp.where(mask, jnp.exp(s - lse_col[:, 0:1]), 0.0)
+        else:
+            p = jnp.exp(s - lse_col[:, 0:1])
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - di_col[:, 0:1])
         if softcap:
@@ -564,6 +703,10 @@ def _dq_kernel(items_ref, seq_ref, *refs, n_items, n_seq, groups, block_q, block
         ds = ds * scale
         dq_acc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32)
+
+    _when_masked_or_not((flags & VALID) != 0,
+                        _block_inside_band(qi, ki, block_q, block_kv, seq, band),
+                        has_segments, _step)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -584,10 +727,14 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
                   scale=prob.scale, softcap=prob.softcap, has_segments=has_segments)
     rows = G * bq
 
-    def specs(n_items, qpos, kpos):
-        q_map = lambda b, h, i, it, sq: (b, h, 0, it[qpos * n_items + i], 0)  # noqa: E731
-        kv_map = lambda b, h, i, it, sq: (b, h, it[kpos * n_items + i], 0)  # noqa: E731
-        st_map = lambda b, h, i, it, sq: (b, h, 0, it[qpos * n_items + i])  # noqa: E731
+    qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
+
+    def specs(layout):
+        q_block = lambda b, i, it: layout.field(it, b, i, 0)  # noqa: E731
+        kv_block = lambda b, i, it: layout.field(it, b, i, 1)  # noqa: E731
+        q_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it), 0)  # noqa: E731
+        kv_map = lambda b, h, i, it, sq: (b, h, kv_block(b, i, it), 0)  # noqa: E731
+        st_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it))  # noqa: E731
         in_specs = [
             pl.BlockSpec((None, None, G, bq, D), q_map),
             pl.BlockSpec((None, None, bk, D), kv_map),
@@ -596,55 +743,53 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
             pl.BlockSpec((None, None, G, bq), st_map),
             pl.BlockSpec((None, None, G, bq), st_map),
         ]
-        return in_specs, q_map, kv_map
+        return in_specs, q_map, kv_map, q_block, kv_block
 
     args = [q5, k4, v4, do5, lse, di]
 
     # dk, dv: kv-major list. Segment ids arrive transposed: q ids as a lane row, kv ids as a column.
-    items_kv = _items(seqs, prob, nq, nk, bq, bk, kv_major=True)
-    n_kv = items_kv.shape[1]
-    in_specs, q_map, kv_map = specs(n_kv, 0, 1)
+    items_kv, layout_kv, steps_kv = _items(seqs, prob, nq, nk, bq, bk, True, qseg_ids, kseg_ids)
+    in_specs, q_map, kv_map, q_block, kv_block = specs(layout_kv)
     seg_args = []
     if has_segments:
         qseg_row = jnp.broadcast_to(qseg[:, :, 0][:, None, :], (B, NUM_SUBLANES, Sq))
         kseg_col = jnp.broadcast_to(kseg[:, 0, :][:, :, None], (B, Sk, NUM_LANES))
         in_specs += [
-            pl.BlockSpec((None, NUM_SUBLANES, bq), lambda b, h, i, it, sq: (b, 0, it[i])),
-            pl.BlockSpec((None, bk, NUM_LANES), lambda b, h, i, it, sq: (b, it[n_kv + i], 0)),
+            pl.BlockSpec((None, NUM_SUBLANES, bq), lambda b, h, i, it, sq: (b, 0, q_block(b, i, it))),
+            pl.BlockSpec((None, bk, NUM_LANES), lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0)),
         ]
         seg_args = [qseg_row, kseg_col]
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, n_items=n_kv, **common),
+        functools.partial(_dkdv_kernel, layout=layout_kv, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hkv, n_kv), in_specs=in_specs,
+            num_scalar_prefetch=2, grid=(B, Hkv, steps_kv), in_specs=in_specs,
             out_specs=[pl.BlockSpec((None, None, bk, D), kv_map)] * 2,
             scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32)] * 2),
         out_shape=[jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)],
         compiler_params=cp, interpret=interpret, name="flash_attention_dkdv",
-    )(items_kv.reshape(-1), seq_arr, *args, *seg_args)
+    )(items_kv, seq_arr, *args, *seg_args)
 
     # dq: q-major list, accumulated in VMEM across the q block's kv blocks.
-    items_q = _items(seqs, prob, nq, nk, bq, bk, kv_major=False)
-    n_q = items_q.shape[1]
-    in_specs, q_map, kv_map = specs(n_q, 0, 1)
+    items_q, layout_q, steps_q = _items(seqs, prob, nq, nk, bq, bk, False, qseg_ids, kseg_ids)
+    in_specs, q_map, kv_map, q_block, kv_block = specs(layout_q)
     seg_args = []
     if has_segments:
         in_specs += [
-            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, it[i], 0)),
-            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, it[n_q + i])),
+            pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),
+            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, kv_block(b, i, it))),
         ]
         seg_args = [qseg, kseg]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, n_items=n_q, **common),
+        functools.partial(_dq_kernel, layout=layout_q, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hkv, n_q), in_specs=in_specs,
+            num_scalar_prefetch=2, grid=(B, Hkv, steps_q), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, G, bq, D), q_map),
             scratch_shapes=[pltpu.VMEM((rows, D), jnp.float32),
                             pltpu.VMEM((rows, NUM_LANES), jnp.float32),
                             pltpu.VMEM((rows, NUM_LANES), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         compiler_params=cp, interpret=interpret, name="flash_attention_dq",
-    )(items_q.reshape(-1), seq_arr, *args, *seg_args)
+    )(items_q, seq_arr, *args, *seg_args)
     return dq, dk, dv, di
 
 
@@ -688,7 +833,8 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_s
         tiles = _tiling.choose_tiles(
             q_len=Sq if not varlen else (max_seqlen_q or Sq), kv_len=Sk if not varlen else (max_seqlen_k or Sk),
             num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=q.dtype, causal=causal,
-            window_size=tuple(window_size), generation=generation, total_q=Sq, total_kv=Sk)
+            window_size=tuple(window_size), generation=generation, total_q=Sq, total_kv=Sk,
+            segments=q_segment_ids is not None)
     bq = max(tiles.block_q, tiles.block_q_bwd)
     bk = max(tiles.block_kv, tiles.block_kv_bwd)
     Sq_p, Sk_p = _round_up(Sq, bq), _round_up(Sk, bk)

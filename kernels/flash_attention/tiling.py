@@ -1,9 +1,12 @@
 """Tile sizes for flash attention per TPU generation, from a VMEM budget model, and the kernel's
 closed-form cost (`estimate_cost`).
 
-Tiles: block_q query tokens per q block (the G query heads of a KV head are stacked, so a q block
-has G*block_q rows), block_kv key tokens per K/V DMA, block_kv_compute keys per score tile inside
-the forward, and block_q_bwd / block_kv_bwd for the two backward passes. `choose_tiles` tries the
+Tiles: the forward moves block_q query tokens (the G query heads of a KV head are stacked, so a q
+block has G*block_q rows) and block_kv key tokens per DMA, and computes in score tiles of
+block_q_compute x block_kv_compute inside them, skipping the tiles the mask leaves empty. Large DMA
+blocks cut grid steps and K/V re-reads (K/V are read once per q block); small compute tiles keep
+the masked work near the band's edge (a sliding window or the causal diagonal) small.
+block_q_bwd / block_kv_bwd are the two backward passes' blocks. `choose_tiles` tries the
 candidates whose every VMEM buffer fits the generation's budget and keeps the one with the lowest
 modelled time (KernelCost.modelled_seconds) on the caller's shape; `Tiles(...)` overrides it.
 """
@@ -25,6 +28,15 @@ _UNBOUNDED = 1 << 30
 MAX_ROWS = 2048
 
 
+# Segment ids give every batch row its own work list; all of them live in SMEM together. Past this
+# size the kernel keeps one list for the batch (segment ids then only mask, as varlen never does).
+MAX_PER_BATCH_LIST_BYTES = 256 * 1024
+
+
+def per_batch_lists_fit(batch: int, n_items: int) -> bool:
+    return batch * 4 * n_items * 4 <= MAX_PER_BATCH_LIST_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_q: int = 256
@@ -34,14 +46,24 @@ class Tiles:
     block_kv_bwd: int = 256
     vmem_limit_bytes: Optional[int] = None
     vmem_limit_bytes_bwd: Optional[int] = None
+    block_q_compute: Optional[int] = None  # None: block_q (one score tile per q block)
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd"):
+        for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd",
+                     "block_q_compute"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if v < 8 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 8, got {v}")
         if self.block_kv % self.block_kv_compute:
             raise ValueError("Tiles.block_kv must be a multiple of block_kv_compute")
+        if self.block_q % self.q_compute:
+            raise ValueError("Tiles.block_q must be a multiple of block_q_compute")
+
+    @property
+    def q_compute(self) -> int:
+        return self.block_q_compute or self.block_q
         # Lengths are padded to the larger of the forward and backward tiles: both must divide it.
 
 
@@ -54,7 +76,7 @@ def _r(x, m):
 
 
 def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_compute,
-                  segments=False) -> int:
+                  segments=False, block_q_compute=None) -> int:
     dp = _r(head_dim, NUM_LANES)
     rows = groups * block_q
     need = 2 * rows * dp * itemsize  # q, double-buffered
@@ -62,7 +84,9 @@ def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_comput
     need += 2 * rows * dp * itemsize  # o
     need += 2 * _r(groups, NUM_SUBLANES) * _r(block_q, NUM_LANES) * 4  # lse
     need += 2 * rows * NUM_LANES * 4 + rows * dp * 4  # m, l, acc scratch
-    need += rows * block_kv_compute * (3 * 4 + itemsize)  # s, exp, mask temporaries, p cast
+    rows_c = groups * (block_q_compute or block_q)
+    need += rows_c * block_kv_compute * (3 * 4 + itemsize)  # s, exp, mask temporaries, p cast
+    need += 3 * rows_c * dp * 4  # the compute tile's q, acc and p @ v values
     if segments:
         need += 2 * block_q * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_kv * 4
     return need
@@ -86,17 +110,21 @@ def _budget(gen: TpuGeneration) -> int:
     return int((gen.vmem_bytes * 3 // 4 - 2 * (1 << 20)) / 1.25)
 
 
-def _candidates(q_len, kv_len, gen):
+def _candidates(q_len, kv_len, groups, gen):
+    """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward."""
     cap_q = max(128, _r(q_len, 128))
     cap_k = max(128, _r(kv_len, 128))
-    compute = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
-    for bq in (1024, 512, 256, 128):
+    compute_kv = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
+    for bq in (2048, 1024, 512, 256, 128):
         if bq > cap_q and bq > 128:
             continue
-        for bk in (2048, 1024, 512, 256, 128):
-            if bk > cap_k and bk > 128:
+        for bqc in sorted({min(bq, c) for c in (128, 256, 512)}):
+            if groups * bqc > MAX_ROWS and bqc > 128:
                 continue
-            yield bq, bk, min(bk, compute)
+            for bk in (2048, 1024, 512, 256, 128):
+                if bk > cap_k and bk > 128:
+                    continue
+                yield bq, bqc, bk, min(bk, compute_kv)
 
 
 def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, causal=False,
@@ -110,19 +138,17 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
     isz = _itemsize(dtype)
     budget = _budget(gen)
     best_f, best_b = None, None
-    for bq, bk, bkc in _candidates(q_len, kv_len, gen):
-        if groups * bq > MAX_ROWS and bq > 128:
-            continue
-        t = Tiles(bq, bk, bkc, bq, bk)
-        nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments)
+    for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
+        t = Tiles(bq, bk, bkc, min(bq, 512), min(bk, 512), block_q_compute=bqc)
+        nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
         if nf <= budget:
             c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
                               causal=causal, window_size=window_size, tiles=t, pass_="fwd")
-            key = (c.modelled_seconds(gen), -bq * bk)
+            key = (c.modelled_seconds(gen), -bq * bk, -bqc)
             if best_f is None or key < best_f[0]:
-                best_f = (key, bq, bk, bkc, nf)
-        if bk <= 512 and bq <= 512:
+                best_f = (key, bq, bqc, bk, bkc, nf)
+        if bk <= 512 and bq <= 512 and bqc == bq and (groups * bq <= MAX_ROWS or bq == 128):
             nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments)
             if nb <= budget:
                 c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
@@ -135,10 +161,10 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
             f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly")
-    _, bq, bk, bkc, nf = best_f
+    _, bq, bqc, bk, bkc, nf = best_f
     _, bqb, bkb, nb = best_b
     return Tiles(bq, bk, bkc, bqb, bkb, vmem_limit_bytes=vmem_limit_bytes(gen, nf),
-                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb))
+                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb), block_q_compute=bqc)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -167,29 +193,52 @@ def _allowed_pairs(seqs, lo, hi) -> int:
     return total
 
 
-def _fetches(idx: np.ndarray, n_outer: int, per_head: bool, heads: int, batch: int) -> int:
-    """Copies a BlockSpec makes for a block-index sequence `idx` ([L, ...] per (b, h)) repeated
-    over the (b, h) grid: one at the start and one at every change of the block index."""
-    if idx.ndim == 1:
-        idx = idx[:, None]
-    within = int(np.any(idx[1:] != idx[:-1], axis=1).sum())
-    if per_head:
-        return batch * heads * (1 + within)
-    wrap = int(np.any(idx[0] != idx[-1]))
-    return 1 + batch * heads * within + (batch - 1) + batch * (heads - 1) * wrap
+def _fetches(idx_per_batch, per_head: bool, heads: int) -> int:
+    """Copies a BlockSpec makes for the block indices of each batch row's list ([L] or [L, k]),
+    each walked once per head: one at the start of a run and one at every change of the block
+    index. `per_head`: the block index includes the head, so every (batch, head) run starts with
+    a copy; otherwise a run starts with one only when its first index differs from the previous
+    run's last (and a new batch row always does)."""
+    total = 0
+    for idx in idx_per_batch:
+        if idx.ndim == 1:
+            idx = idx[:, None]
+        within = int(np.any(idx[1:] != idx[:-1], axis=1).sum())
+        if per_head:
+            total += heads * (1 + within)
+        else:
+            wrap = int(np.any(idx[0] != idx[-1]))
+            total += 1 + heads * within + (heads - 1) * wrap
+    return total
+
+
+def _segment_pairs(q_ids, kv_ids, seqs, lo, hi) -> int:
+    """Allowed (query, key) pairs of one batch row with segment ids, counted densely in chunks."""
+    total = 0
+    u = np.arange(len(kv_ids), dtype=np.int64)
+    for q_lo, q_hi, k_lo, k_hi, off in zip(*seqs):
+        for t0 in range(int(q_lo), int(q_hi), 1024):
+            t = np.arange(t0, min(t0 + 1024, int(q_hi)), dtype=np.int64)[:, None]
+            d = u[None, :] - t + off
+            ok = (u >= k_lo) & (u < k_hi) & (d >= max(lo, -_UNBOUNDED)) & (d <= hi)
+            total += int((ok & (q_ids[t[:, 0]][:, None] == kv_ids[None, :])).sum())
+    return total
 
 
 def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, dtype,
                   causal=False, window_size=(-1, -1), has_sinks=False, segments=False,
                   cu_seqlens_q: Optional[Sequence[int]] = None,
                   cu_seqlens_k: Optional[Sequence[int]] = None,
+                  q_segment_ids=None, kv_segment_ids=None,
                   tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd",
                   count_scalar_prefetch: bool = True) -> KernelCost:
     """What the Pallas calls of one forward (`pass_="fwd"`) or backward (`"bwd"`: dk/dv and dq
     kernels) move and compute. Counts the kernels only: the layout transposes/pads around them and
     the backward's di = rowsum(do * o) prologue are XLA ops outside. For varlen give cu_seqlens
-    (q_len/kv_len are then the packed totals, batch 1); the list is then sized by its static bound
-    and padding items (no compute, no copy) are counted as grid steps.
+    (q_len/kv_len are then the packed totals, batch 1); the SMEM list is then sized by its static
+    bound, but the grid walks only its live items. `segments=True` sizes the
+    segment-id buffers; giving the ids themselves ([batch, len] arrays) also drops the pairs they
+    make empty, per batch row, as the kernel does.
 
     hbm_bytes = every BlockSpec copy in (one per change of a block index along the grid, as the
     Pallas pipeline does) + every output block written once + (with count_scalar_prefetch) the
@@ -197,6 +246,9 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     part (checked in tests); it does not route the scalar prefetch through its copy path, and it
     reads each whole output array once before the grid starts, which hardware does not."""
     from .kernel import Band, build_work_list, max_work_items  # lazy: kernel imports tiling
+
+    has_ids = q_segment_ids is not None
+    segments = segments or has_ids
 
     if tiles is None:
         tiles = choose_tiles(q_len=q_len, kv_len=kv_len, num_q_heads=num_q_heads,
@@ -220,59 +272,80 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     n_seq = len(seqs[0])
     band = Band.make(causal, *window_size)
     lo, hi = _band(causal, window_size)
-    pairs = _allowed_pairs(seqs, lo, hi)
-    useful_fwd = 4 * B * num_q_heads * D * pairs
+    if has_ids:
+        q_ids = np.asarray(q_segment_ids, np.int64)
+        kv_ids = np.asarray(kv_segment_ids, np.int64)
+        pairs = sum(_segment_pairs(q_ids[b], kv_ids[b], seqs, lo, hi) for b in range(B))
+    else:
+        pairs = B * _allowed_pairs(seqs, lo, hi)
+    useful_fwd = 4 * num_q_heads * D * pairs
+
+    def padded_ids(ids, length, fill):
+        out = np.full((B, length), fill, np.int64)
+        out[:, :ids.shape[1]] = ids
+        return out
 
     def items(bq, bk, kv_major):
+        """The list each batch row runs, as the kernel builds it (padding items included)."""
         nq, nk = Sq // bq, Sk // bk
         s32 = tuple(np.asarray(a, np.int32) for a in seqs)
-        it = build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major)
-        if varlen:  # the kernel runs the static bound; the tail repeats the last item, flags 0
-            bound = max_work_items(n_seq, nq, nk)
-            pad = bound - it.shape[1]
-            it = np.concatenate([it, np.repeat(it[:, -1:], pad, axis=1) * np.array([[1], [1], [1], [0]])], axis=1)
-        return it
-
-    def smem(it):  # the scalar-prefetched work list and sequence table
-        return (it.size * 4 + 5 * n_seq * 4) if count_scalar_prefetch else 0
+        band_list = build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major)
+        bound = max_work_items(n_seq, nq, nk) if varlen else band_list.shape[1]
+        if has_ids and per_batch_lists_fit(B, bound):
+            qb = padded_ids(q_ids, Sq, -1).reshape(B, nq, bq)
+            kb = padded_ids(kv_ids, Sk, -2).reshape(B, nk, bk)
+            lists = [build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major,
+                                     segment_ranges=(qb[b].min(1), qb[b].max(1),
+                                                     kb[b].min(1), kb[b].max(1)))
+                     for b in range(B)]
+        else:
+            lists = [band_list] * B
+        # The grid walks the longest row's live items; shorter rows run padding items that repeat
+        # their last item with flags 0 (no copy, no compute).
+        steps = max(it.shape[1] for it in lists)
+        lists = [np.concatenate([it, np.repeat(it[:, -1:], steps - it.shape[1], axis=1)
+                                 * np.array([[1], [1], [1], [0]])], axis=1) for it in lists]
+        n_lists = B if has_ids and per_batch_lists_fit(B, bound) else 1
+        smem = (n_lists * 4 * bound * 4 + 5 * n_seq * 4) if count_scalar_prefetch else 0
+        return lists, smem
 
     stat = _r(G, 1) * 4  # one f32 per row per head, lane-major [G, block]
 
     if pass_ == "fwd":
-        bq, bk, bkc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute
-        it = items(bq, bk, False)
-        qi, ki, si, fl = it
-        L = it.shape[1]
-        n_q = _fetches(qi, 0, True, Hkv, B)
-        n_k = _fetches(ki, 0, True, Hkv, B)
+        bq, bk, bkc, bqc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute, tiles.q_compute
+        lists, smem = items(bq, bk, False)
+        n_q = _fetches([it[0] for it in lists], True, Hkv)
+        n_k = _fetches([it[1] for it in lists], True, Hkv)
         hbm = n_q * G * bq * D * isz  # q blocks
         hbm += 2 * n_k * bk * D * isz  # k, v
         hbm += n_q * G * bq * D * isz + n_q * stat * bq  # o, lse written once per q run
         if segments:
-            hbm += _fetches(qi, 0, False, Hkv, B) * bq * NUM_LANES * 4
-            hbm += _fetches(ki, 0, False, Hkv, B) * NUM_SUBLANES * bk * 4
-        hbm += smem(it) + (num_q_heads * 4 if has_sinks else 0)  # sinks: a whole-array SMEM copy
-        # Issued MXU work: per valid item, the compute slices the band leaves non-empty.
+            hbm += _fetches([it[0] for it in lists], False, Hkv) * bq * NUM_LANES * 4
+            hbm += _fetches([it[1] for it in lists], False, Hkv) * NUM_SUBLANES * bk * 4
+        hbm += smem + (num_q_heads * 4 if has_sinks else 0)  # sinks: whole-array SMEM copy
+        # Issued MXU work: per valid item, the (q, kv) compute tiles the band leaves non-empty.
+        qi, ki, si, fl = np.concatenate(lists, axis=1)
         valid = (fl & 1) != 0
         ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
-        q_lo = np.maximum(qi * bq, ql)
-        q_hi = np.minimum(qi * bq + bq, qh)
-        live_slices = 0
-        for c in range(bk // bkc):
-            u0 = ki * bk + c * bkc
-            k_lo = np.maximum(u0, kl)
-            k_hi = np.minimum(u0 + bkc, kh)
-            ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
-            if band.hi < _UNBOUNDED:
-                ok &= k_lo - (q_hi - 1) + off <= band.hi
-            if band.lo > -_UNBOUNDED:
-                ok &= (k_hi - 1) - q_lo + off >= band.lo
-            live_slices += int(ok.sum())
-        mxu = B * Hkv * live_slices * 2 * (2 * G * bq * bkc * dp)
-        steps = B * Hkv * L
+        live_tiles = 0
+        for j in range(bq // bqc):
+            q_lo = np.maximum(qi * bq + j * bqc, ql)
+            q_hi = np.minimum(qi * bq + (j + 1) * bqc, qh)
+            for c in range(bk // bkc):
+                u0 = ki * bk + c * bkc
+                k_lo = np.maximum(u0, kl)
+                k_hi = np.minimum(u0 + bkc, kh)
+                ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
+                if band.hi < _UNBOUNDED:
+                    ok &= k_lo - (q_hi - 1) + off <= band.hi
+                if band.lo > -_UNBOUNDED:
+                    ok &= (k_hi - 1) - q_lo + off >= band.lo
+                live_tiles += int(ok.sum())
+        mxu = Hkv * live_tiles * 2 * (2 * G * bqc * bkc * dp)
+        steps = Hkv * sum(it.shape[1] for it in lists)
         min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz
                      + B * num_q_heads * q_len * 4)
-        need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments)
+        need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
         return KernelCost(useful_fwd, mxu, hbm, min_bytes, steps, need)
 
     if pass_ != "bwd":
@@ -280,10 +353,9 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
     hbm = mxu = steps = 0
     for kv_major, outs in ((True, "kv"), (False, "q")):
-        it = items(bq, bk, kv_major)
-        qi, ki, si, fl = it
-        n_q = _fetches(qi, 0, True, Hkv, B)
-        n_k = _fetches(ki, 0, True, Hkv, B)
+        lists, smem = items(bq, bk, kv_major)
+        n_q = _fetches([it[0] for it in lists], True, Hkv)
+        n_k = _fetches([it[1] for it in lists], True, Hkv)
         hbm += 2 * n_q * G * bq * D * isz + 2 * n_q * stat * bq  # q, do, lse, di
         hbm += 2 * n_k * bk * D * isz  # k, v
         if outs == "kv":
@@ -294,12 +366,12 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             # dq pass: q ids as columns [bq, 128], kv ids as rows [8, bk]; dk/dv pass: transposed.
             q_seg, k_seg = ((NUM_SUBLANES * bq, bk * NUM_LANES) if kv_major
                             else (bq * NUM_LANES, NUM_SUBLANES * bk))
-            hbm += _fetches(qi, 0, False, Hkv, B) * q_seg * 4
-            hbm += _fetches(ki, 0, False, Hkv, B) * k_seg * 4
-        hbm += smem(it)
-        n_valid = int(((fl & 1) != 0).sum())
-        mxu += B * Hkv * n_valid * (4 if kv_major else 3) * (2 * G * bq * bk * dp)
-        steps += B * Hkv * it.shape[1]
+            hbm += _fetches([it[0] for it in lists], False, Hkv) * q_seg * 4
+            hbm += _fetches([it[1] for it in lists], False, Hkv) * k_seg * 4
+        hbm += smem
+        n_valid = sum(int(((it[3] & 1) != 0).sum()) for it in lists)
+        mxu += Hkv * n_valid * (4 if kv_major else 3) * (2 * G * bq * bk * dp)
+        steps += Hkv * sum(it.shape[1] for it in lists)
     min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
                  + 2 * B * num_q_heads * q_len * 4  # lse, di
                  + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
