@@ -1,5 +1,5 @@
 """flash-attention-tpu: deviceless Mosaic compiles for v5e, v6e and TPU7x at production shapes
-(Llama-3-8B and Gemma-2-style), forward and backward, with the tiles choose_tiles picks."""
+(Llama-3-8B, Gemma-2-style and MQA), forward and backward, with the tiles choose_tiles picks."""
 
 import os
 
@@ -25,6 +25,8 @@ SHAPES = {
     # the same with a 1024-token sliding window (the benchmarks' window target)
     "llama3_8b_window1024": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(1023, 0),
                                  softcap=0.0),
+    # MQA: 32 query heads on one KV head (stacked into one q block of 32 x block_q rows)
+    "mqa_32x1": dict(Hq=32, Hkv=1, S=4096, D=128, causal=True, window=(-1, -1), softcap=0.0),
     # head dim 256, soft cap 50, sliding window 4096 (as Transformers passes it: (4095, 4095))
     "gemma2": dict(Hq=16, Hkv=8, S=8192, D=256, causal=True, window=(4095, 4095), softcap=50.0),
 }

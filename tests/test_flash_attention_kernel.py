@@ -132,6 +132,50 @@ def test_segment_ids(causal):
     _check_dense(*_dense_case(2, 4, 2, 56, 56, 64, jnp.float32, causal, (-1, -1), 0.0, True, True))
 
 
+def test_differentiable_jax_api_with_segment_ids():
+    """kernel.flash_attention (custom_vjp): values and jax.grad with sinks and packed documents."""
+    q, k, v, s, qseg, kseg, cfg = _dense_case(2, 4, 2, 48, 48, 64, jnp.float32, True, (-1, -1),
+                                              0.0, True, True, seed=5)
+    w = _rand(50, q.shape)
+
+    def loss(fn):
+        return lambda q, k, v, s: jnp.sum(
+            fn(q, k, v, sinks=s, q_segment_ids=qseg, kv_segment_ids=kseg, **cfg) * w)
+
+    ours = functools.partial(K.flash_attention, tiles=SMALL, interpret=True)
+    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, s)
+    want = jax.jit(jax.value_and_grad(loss(R.attention), argnums=(0, 1, 2, 3)))(q, k, v, s)
+    _close(got[0], want[0], rtol=1e-4, atol=1e-3)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), got[1], want[1]):
+        _close(g, r, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("only_q_ids", ValueError, "given together"),
+    ("wrong_shape", ValueError, r"q_segment_ids must have shape \[batch, seq\]"),
+    ("float_ids", TypeError, "kv_segment_ids must be an integer array"),
+    ("with_cu_seqlens", ValueError, "cannot be combined"),
+])
+def test_segment_ids_bad_input(case, error, match):
+    q = jnp.zeros((2, 4, 32, 64))
+    k = jnp.zeros((2, 2, 32, 64))
+    ids = jnp.zeros((2, 32), jnp.int32)
+    kw = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    if case == "only_q_ids":
+        kw = dict(q_segment_ids=ids)
+    elif case == "wrong_shape":
+        kw["q_segment_ids"] = jnp.zeros((2, 31), jnp.int32)
+    elif case == "float_ids":
+        kw["kv_segment_ids"] = ids.astype(jnp.float32)
+    else:
+        q, k = q[0].swapaxes(0, 1), k[0].swapaxes(0, 1)
+        cu = jnp.asarray([0, 32], jnp.int32)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    fn = K.flash_attention_fwd if case == "with_cu_seqlens" else K.flash_attention
+    with pytest.raises(error, match=match):
+        fn(q, k, k, interpret=True, **kw)
+
+
 # -------------------------------------------------------------------------------------------------
 # varlen
 # -------------------------------------------------------------------------------------------------

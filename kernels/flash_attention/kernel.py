@@ -26,7 +26,9 @@ keys into VMEM (one DMA each: fewer steps, and K/V are re-read once per q block)
 tiles of block_q_compute x block_kv_compute: for each q compute tile it computes from the band
 which kv slices any of its rows can see and which all of its rows see, and loops over exactly
 those, with no mask inside the band and a mask only at its edges. So a sliding window or the
-causal diagonal costs masked work near the edge only, however large the DMA blocks. Online softmax
+causal diagonal costs masked work near the edge only, however large the DMA blocks. With segment
+ids every tile is masked, and a tile whose (min, max) document ids (from SMEM) miss the q tile's
+is skipped. Online softmax
 keeps f32 running max m and sum l per row in VMEM scratch (an attention sink starts them at
 m = sink, l = 1). At the last item of a q block the output and the log-sum-exp (lse, used by the
 backward) are written.
@@ -296,13 +298,15 @@ def _pop_segment_refs(refs, has_segments):
 
 
 def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
-                block_q_compute, block_kv_compute, band, scale, softcap, has_sinks, has_segments):
+                block_q_compute, block_kv_compute, band, scale, softcap, has_sinks, has_segments,
+                tile_ranges):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
+    ranges_ref = refs.pop(0) if tile_ranges else None
     q_ref, k_ref, v_ref = refs[:3]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[3:], has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    h = pl.program_id(1)
+    b, h = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in loops
     qi, ki, si, flags = _current_item(items_ref, layout)
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
@@ -374,6 +378,21 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
     def run(first, end, r0, t0, masked):
         jax.lax.fori_loop(first, end, lambda c, _: tile(r0, t0, c, masked), None)
 
+    def run_where_documents_meet(first, end, j, r0, t0):
+        """Segment ids: the band's slices, less those whose (min, max) ids miss the q tile's.
+        ranges_ref holds [q min, q max] per (row, q tile) then [kv min, kv max] per (row, slice)."""
+        batch, n_qt, n_ks = tile_ranges
+        gq = b * n_qt + qi * (block_q // bqc) + j
+        q_min, q_max = ranges_ref[gq], ranges_ref[batch * n_qt + gq]
+        kv_base = 2 * batch * n_qt + b * n_ks + ki * (block_kv // bkc)
+
+        def body(c, _):
+            k_min = ranges_ref[kv_base + c]
+            k_max = ranges_ref[kv_base + batch * n_ks + c]
+            pl.when((q_min <= k_max) & (k_min <= q_max))(lambda: tile(r0, t0, c, True))
+
+        jax.lax.fori_loop(first, end, body, None)
+
     def q_tile(j, _):
         # Query tokens [t0, t0 + bqc) of this compute tile; tq_lo/tq_hi: those inside the sequence.
         r0 = pl.multiple_of(j * bqc, bqc)
@@ -388,6 +407,9 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
             see_hi = jnp.minimum(see_hi, tq_hi - off + band.hi)
         see_hi = jnp.where(tq_lo <= tq_hi, see_hi, see_lo - 1)  # no row in the sequence
         first, end = slice_range(see_lo, see_hi)
+        if tile_ranges:
+            run_where_documents_meet(first, end, j, r0, t0)
+            return None
         if has_segments:
             run(first, end, r0, t0, True)
             return None
@@ -542,6 +564,15 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     if has_sinks:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks.astype(jnp.float32))
+    tile_ranges = None
+    if has_segments and _tiling.tile_ranges_fit(B, Sq // bqc, Sk // bkc):
+        # Each compute tile's (min, max) segment id, whole in SMEM: score tiles whose documents
+        # do not meet are skipped inside an item.
+        q_min, q_max = _segment_ranges(qseg_ids, bqc)
+        k_min, k_max = _segment_ranges(kseg_ids, bkc)
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(jnp.concatenate([a.reshape(-1) for a in (q_min, q_max, k_min, k_max)]))
+        tile_ranges = (B, Sq // bqc, Sk // bkc)
     in_specs += [
         pl.BlockSpec((None, None, G, bq, D), q_map),
         pl.BlockSpec((None, None, bk, D), kv_map),
@@ -568,7 +599,8 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     kernel = functools.partial(
         _fwd_kernel, layout=layout, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
         block_q_compute=bqc, block_kv_compute=bkc, band=prob.band, scale=prob.scale,
-        softcap=prob.softcap, has_sinks=has_sinks, has_segments=has_segments)
+        softcap=prob.softcap, has_sinks=has_sinks, has_segments=has_segments,
+        tile_ranges=tile_ranges)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(B, Hkv, steps),
@@ -809,6 +841,23 @@ def _check_common(q, k, v, window_size, softcap):
         raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
 
 
+def _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen):
+    if q_segment_ids is None and kv_segment_ids is None:
+        return
+    if q_segment_ids is None or kv_segment_ids is None:
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if varlen:
+        raise ValueError("segment ids and cu_seqlens cannot be combined: use one packing scheme")
+    want_q, want_k = (q.shape[0], q.shape[2]), (k.shape[0], k.shape[2])
+    for name, ids, want in (("q_segment_ids", q_segment_ids, want_q),
+                            ("kv_segment_ids", kv_segment_ids, want_k)):
+        if tuple(ids.shape) != want:
+            raise ValueError(f"{name} must have shape [batch, seq] = {list(want)}, got "
+                             f"{list(ids.shape)}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
+
+
 def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_segment_ids,
              causal, window_size, softcap, softmax_scale, tiles, generation, max_seqlen_q=None,
              max_seqlen_k=None):
@@ -891,6 +940,7 @@ def flash_attention_fwd(q, k, v, *, causal=False, window_size=(-1, -1), softcap=
     Varlen (cu_seqlens given): q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (o like q, lse [1, Hq, Tq])."""
     varlen = cu_seqlens_q is not None
     _check_common(q, k, v, window_size, softcap)
+    _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen)
     q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
@@ -907,6 +957,7 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal=False, window_size=(-1, -
     """Backward: (dq, dk, dv, dsinks or None), same layouts as `flash_attention_fwd`."""
     varlen = cu_seqlens_q is not None
     _check_common(q, k, v, window_size, softcap)
+    _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen)
     q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
@@ -931,30 +982,44 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal=False, window_size=(-1, -
             _unpack_kv(dv4, varlen, sizes), dsinks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fa_vjp(q, k, v, sinks, cfg):
-    o, _ = flash_attention_fwd(q, k, v, sinks=sinks, **dict(cfg))
+def _segment_kwargs(segment_ids):
+    if segment_ids is None:
+        return {}
+    return dict(q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fa_vjp(q, k, v, sinks, segment_ids, cfg):
+    o, _ = flash_attention_fwd(q, k, v, sinks=sinks, **_segment_kwargs(segment_ids), **dict(cfg))
     return o
 
 
-def _fa_vjp_fwd(q, k, v, sinks, cfg):
-    o, lse = flash_attention_fwd(q, k, v, sinks=sinks, **dict(cfg))
-    return o, (q, k, v, sinks, o, lse)
+def _fa_vjp_fwd(q, k, v, sinks, segment_ids, cfg):
+    o, lse = flash_attention_fwd(q, k, v, sinks=sinks, **_segment_kwargs(segment_ids),
+                                 **dict(cfg))
+    return o, (q, k, v, sinks, segment_ids, o, lse)
 
 
 def _fa_vjp_bwd(cfg, res, do):
-    q, k, v, sinks, o, lse = res
-    dq, dk, dv, dsinks = flash_attention_bwd(q, k, v, o, lse, do, sinks=sinks, **dict(cfg))
-    return dq, dk, dv, dsinks
+    q, k, v, sinks, segment_ids, o, lse = res
+    dq, dk, dv, dsinks = flash_attention_bwd(q, k, v, o, lse, do, sinks=sinks,
+                                             **_segment_kwargs(segment_ids), **dict(cfg))
+    return dq, dk, dv, dsinks, None  # segment ids are integers: no cotangent
 
 
 _fa_vjp.defvjp(_fa_vjp_fwd, _fa_vjp_bwd)
 
 
 def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                    softmax_scale=None, sinks=None, tiles=None, generation=None, interpret=False):
-    """Differentiable dense flash attention, q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D]."""
+                    softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+                    tiles=None, generation=None, interpret=False):
+    """Differentiable dense flash attention, q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D].
+    Packed documents: q_segment_ids [B, Sq] and kv_segment_ids [B, Sk] (a query sees only keys
+    with its id)."""
+    _check_common(q, k, v, window_size, softcap)
+    _check_segments(q, k, q_segment_ids, kv_segment_ids, False)
     cfg = (("causal", causal), ("window_size", tuple(window_size)), ("softcap", softcap),
            ("softmax_scale", softmax_scale), ("tiles", tiles), ("generation", generation),
            ("interpret", interpret))
-    return _fa_vjp(q, k, v, sinks, cfg)
+    segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    return _fa_vjp(q, k, v, sinks, segment_ids, cfg)

@@ -37,6 +37,15 @@ def per_batch_lists_fit(batch: int, n_items: int) -> bool:
     return batch * 4 * n_items * 4 <= MAX_PER_BATCH_LIST_BYTES
 
 
+# With segment ids the forward also skips score tiles whose documents do not meet, from each
+# compute tile's (min, max) id held in SMEM; past this size it computes them (masked) instead.
+MAX_TILE_RANGE_BYTES = 128 * 1024
+
+
+def tile_ranges_fit(batch: int, n_q_tiles: int, n_kv_slices: int) -> bool:
+    return batch * (n_q_tiles + n_kv_slices) * 2 * 4 <= MAX_TILE_RANGE_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_q: int = 256
@@ -127,6 +136,14 @@ def _candidates(q_len, kv_len, groups, gen):
                 yield bq, bqc, bk, min(bk, compute_kv)
 
 
+def _pad_copy_bytes(q_len, kv_len, block_q, block_kv, hq, hkv, head_dim, itemsize) -> int:
+    """HBM bytes XLA spends outside the kernel when a length is not a multiple of its block: q is
+    padded (read + write) and o sliced back (read + write); k and v are padded."""
+    q = 4 * hq * q_len * head_dim * itemsize if q_len % block_q else 0
+    kv = 4 * hkv * kv_len * head_dim * itemsize if kv_len % block_kv else 0
+    return q + kv
+
+
 def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, causal=False,
                  window_size=(-1, -1), generation=None, total_q=None, total_kv=None,
                  segments=False, override: Optional[Tiles] = None) -> Tiles:
@@ -145,7 +162,9 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
             c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
                               causal=causal, window_size=window_size, tiles=t, pass_="fwd")
-            key = (c.modelled_seconds(gen), -bq * bk, -bqc)
+            pad = _pad_copy_bytes(total_q or q_len, total_kv or kv_len, bq, bk, num_q_heads,
+                                  num_kv_heads, head_dim, isz)
+            key = (c.modelled_seconds(gen) + pad / gen.hbm_bytes_per_s, -bq * bk, -bqc)
             if best_f is None or key < best_f[0]:
                 best_f = (key, bq, bqc, bk, bkc, nf)
         if bk <= 512 and bq <= 512 and bqc == bq and (groups * bq <= MAX_ROWS or bq == 128):
@@ -323,10 +342,18 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             hbm += _fetches([it[0] for it in lists], False, Hkv) * bq * NUM_LANES * 4
             hbm += _fetches([it[1] for it in lists], False, Hkv) * NUM_SUBLANES * bk * 4
         hbm += smem + (num_q_heads * 4 if has_sinks else 0)  # sinks: whole-array SMEM copy
-        # Issued MXU work: per valid item, the (q, kv) compute tiles the band leaves non-empty.
+        # Issued MXU work: per valid item, the (q, kv) compute tiles the band leaves non-empty
+        # (and, with segment ids, whose documents meet).
         qi, ki, si, fl = np.concatenate(lists, axis=1)
+        bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
         valid = (fl & 1) != 0
         ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
+        tile_ids = has_ids and tile_ranges_fit(B, Sq // bqc, Sk // bkc)
+        if tile_ids:
+            qt = padded_ids(q_ids, Sq, -1).reshape(B, -1, bqc)
+            kt = padded_ids(kv_ids, Sk, -2).reshape(B, -1, bkc)
+            qt_min, qt_max, kt_min, kt_max = qt.min(2), qt.max(2), kt.min(2), kt.max(2)
+            hbm += B * (Sq // bqc + Sk // bkc) * 2 * 4  # the tile ranges: a whole-array SMEM copy
         live_tiles = 0
         for j in range(bq // bqc):
             q_lo = np.maximum(qi * bq + j * bqc, ql)
@@ -336,6 +363,9 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
                 k_lo = np.maximum(u0, kl)
                 k_hi = np.minimum(u0 + bkc, kh)
                 ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
+                if tile_ids:
+                    gq, gk = qi * (bq // bqc) + j, ki * (bk // bkc) + c
+                    ok &= (qt_min[bi, gq] <= kt_max[bi, gk]) & (kt_min[bi, gk] <= qt_max[bi, gq])
                 if band.hi < _UNBOUNDED:
                     ok &= k_lo - (q_hi - 1) + off <= band.hi
                 if band.lo > -_UNBOUNDED:
