@@ -234,27 +234,81 @@ def _allowed(t, u, seq, band: Band):
     return ok
 
 
-def _block_inside_band(qi, ki, block_q, block_kv, seq, band: Band):
-    """Whether every (query, key) pair of the block pair is allowed: all its rows and keys lie in
-    the sequence and every distance is inside the band. Such a block needs no mask."""
-    q_lo, q_hi, k_lo, k_hi, off = seq
-    t0, u0 = qi * block_q, ki * block_kv
-    inside = (t0 >= q_lo) & (t0 + block_q <= q_hi) & (u0 >= k_lo) & (u0 + block_kv <= k_hi)
-    if band.hi < _UNBOUNDED:
-        inside = inside & ((u0 + block_kv - 1) - t0 + off <= band.hi)
+def _inner_ranges(x0, n, x_seq, y_seq, off, band: Band, y_base, y_block, y_tile):
+    """Which inner compute tiles a tile of outer positions [x0, x0 + n) must visit.
+
+    Positions are related by lo <= (y - x) + off <= hi (`band`), and each lies in its sequence
+    (x_seq, y_seq = (lo, hi) half-open). The inner tiles are the y_tile-wide slices of the inner
+    block [y_base, y_base + y_block). Returns (first, in_first, in_end, end): slices [first, end)
+    hold a y that some real x of the tile may see; [in_first, in_end) inside it are seen whole by
+    every x of the tile (no mask needed). The forward and dq pass call it with x = query tokens,
+    y = keys; the dk/dv pass with x = keys, y = query tokens and the band mirrored."""
+    x_seq_lo, x_seq_hi = x_seq
+    y_seq_lo, y_seq_hi = y_seq
+    shift = y_tile.bit_length() - 1  # y_tile is a power of two: slice = offset >> shift
+    last = y_base + y_block - 1
+    x_lo = jnp.maximum(x0, x_seq_lo)
+    x_hi = jnp.minimum(x0 + n, x_seq_hi) - 1
+    # y some real x may see
+    see_lo, see_hi = y_seq_lo, y_seq_hi - 1
     if band.lo > -_UNBOUNDED:
-        inside = inside & (u0 - (t0 + block_q - 1) + off >= band.lo)
-    return inside
+        see_lo = jnp.maximum(see_lo, x_lo - off + band.lo)
+    if band.hi < _UNBOUNDED:
+        see_hi = jnp.minimum(see_hi, x_hi - off + band.hi)
+    lo = jnp.maximum(see_lo, y_base) - y_base
+    hi = jnp.minimum(see_hi, last) - y_base
+    first = lo >> shift
+    end = jnp.where((lo <= hi) & (x_lo <= x_hi), (hi >> shift) + 1, first)
+    # y every x of the tile sees (all of the tile's x must be real)
+    all_lo, all_hi = y_seq_lo, y_seq_hi - 1
+    if band.lo > -_UNBOUNDED:
+        all_lo = jnp.maximum(all_lo, x0 + n - 1 - off + band.lo)
+    if band.hi < _UNBOUNDED:
+        all_hi = jnp.minimum(all_hi, x0 - off + band.hi)
+    in_first = jnp.clip((jnp.maximum(all_lo, y_base) - y_base + y_tile - 1) >> shift, first, end)
+    in_end = jnp.clip((jnp.minimum(all_hi, last) - y_base + 1) >> shift, in_first, end)
+    whole = (x0 >= x_seq_lo) & (x0 + n <= x_seq_hi)
+    return first, in_first, jnp.where(whole, in_end, in_first), end
 
 
-def _when_masked_or_not(live, inside, has_segments, body):
-    """Run body(masked) for a live block: without the mask when the block is wholly inside the
-    band (and no segment ids), with it otherwise."""
+def _mirror(band: Band) -> Band:
+    """The band seen from the keys: lo <= u - t + off <= hi  <=>  -hi <= t - u - off <= -lo."""
+    return Band(-band.hi, -band.lo)
+
+
+def _visit(ranges, tile_fn, *, has_segments=False, meets=None):
+    """Run tile_fn(i, masked) over the inner tiles of `ranges`: masked at the band's edges,
+    mask-free inside it. With segment ids every tile is masked, and with `meets(i)` (segment-id
+    ranges in SMEM) tiles whose documents do not meet are skipped."""
+    first, in_first, in_end, end = ranges
     if has_segments:
-        pl.when(live)(functools.partial(body, True))
+        def body(i, _):
+            if meets is None:
+                tile_fn(i, True)
+            else:
+                pl.when(meets(i))(lambda: tile_fn(i, True))
+        jax.lax.fori_loop(first, end, body, None)
         return
-    pl.when(live & inside)(functools.partial(body, False))
-    pl.when(live & jnp.logical_not(inside))(functools.partial(body, True))
+    for lo, hi, masked in ((first, in_first, True), (in_first, in_end, False),
+                           (in_end, end, True)):
+        jax.lax.fori_loop(lo, hi, lambda i, _, masked=masked: tile_fn(i, masked), None)
+
+
+def _range_table(q_ids, kv_ids, q_tile, kv_tile):
+    """SMEM table of each compute tile's (min, max) segment id: [q min, q max] per (row, q tile),
+    then [kv min, kv max] per (row, kv slice), flat int32."""
+    q_min, q_max = _segment_ranges(q_ids, q_tile)
+    k_min, k_max = _segment_ranges(kv_ids, kv_tile)
+    return jnp.concatenate([a.reshape(-1) for a in (q_min, q_max, k_min, k_max)])
+
+
+def _documents_meet(ranges_ref, shape, b, gq, gk):
+    """Whether q tile gq and kv slice gk (global indices in row b) share a segment id range."""
+    batch, n_qt, n_ks = shape
+    q = b * n_qt + gq
+    k = 2 * batch * n_qt + b * n_ks + gk
+    return ((ranges_ref[q] <= ranges_ref[k + batch * n_ks])
+            & (ranges_ref[k] <= ranges_ref[batch * n_qt + q]))
 
 
 def _scores(s, scale, softcap):
@@ -364,72 +418,18 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         m_ref[:, rows, :] = jnp.broadcast_to(m_new, (rows_c, NUM_LANES)).reshape(stat_shape)
         l_ref[:, rows, :] = jnp.broadcast_to(l_new, (rows_c, NUM_LANES)).reshape(stat_shape)
 
-    def slice_range(lo_key, hi_key):
-        """Compute slices of this kv block overlapping keys [lo_key, hi_key] (inclusive), as
-        [first, end); wholly inside them when `inner`. Shifts: bkc is a power of two."""
-        base = ki * block_kv
-        a = jnp.maximum(lo_key, base) - base
-        b = jnp.minimum(hi_key, base + block_kv - 1) - base
-        shift = bkc.bit_length() - 1
-        first = a >> shift
-        end = jnp.where(a <= b, (b >> shift) + 1, first)
-        return first, end
-
-    def run(first, end, r0, t0, masked):
-        jax.lax.fori_loop(first, end, lambda c, _: tile(r0, t0, c, masked), None)
-
-    def run_where_documents_meet(first, end, j, r0, t0):
-        """Segment ids: the band's slices, less those whose (min, max) ids miss the q tile's.
-        ranges_ref holds [q min, q max] per (row, q tile) then [kv min, kv max] per (row, slice)."""
-        batch, n_qt, n_ks = tile_ranges
-        gq = b * n_qt + qi * (block_q // bqc) + j
-        q_min, q_max = ranges_ref[gq], ranges_ref[batch * n_qt + gq]
-        kv_base = 2 * batch * n_qt + b * n_ks + ki * (block_kv // bkc)
-
-        def body(c, _):
-            k_min = ranges_ref[kv_base + c]
-            k_max = ranges_ref[kv_base + batch * n_ks + c]
-            pl.when((q_min <= k_max) & (k_min <= q_max))(lambda: tile(r0, t0, c, True))
-
-        jax.lax.fori_loop(first, end, body, None)
-
     def q_tile(j, _):
-        # Query tokens [t0, t0 + bqc) of this compute tile; tq_lo/tq_hi: those inside the sequence.
+        # Query tokens [t0, t0 + bqc): the G heads' rows r0 ... r0 + bqc of this block.
         r0 = pl.multiple_of(j * bqc, bqc)
         t0 = qi * block_q + r0
-        tq_lo = jnp.maximum(t0, q_seq_lo)
-        tq_hi = jnp.minimum(t0 + bqc, q_seq_hi) - 1
-        # Keys some row may see: inside the sequence and d = u - t + off within the band.
-        see_lo, see_hi = k_seq_lo, k_seq_hi - 1
-        if band.lo > -_UNBOUNDED:
-            see_lo = jnp.maximum(see_lo, tq_lo - off + band.lo)
-        if band.hi < _UNBOUNDED:
-            see_hi = jnp.minimum(see_hi, tq_hi - off + band.hi)
-        see_hi = jnp.where(tq_lo <= tq_hi, see_hi, see_lo - 1)  # no row in the sequence
-        first, end = slice_range(see_lo, see_hi)
+        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
+                               ki * block_kv, block_kv, bkc)
+        meets = None
         if tile_ranges:
-            run_where_documents_meet(first, end, j, r0, t0)
-            return None
-        if has_segments:
-            run(first, end, r0, t0, True)
-            return None
-        # Keys every row may see: slices wholly inside run without a mask (most tiles of a long
-        # sequence; the mask costs as much VPU work as the softmax itself).
-        all_lo, all_hi = k_seq_lo, k_seq_hi - 1
-        if band.lo > -_UNBOUNDED:
-            all_lo = jnp.maximum(all_lo, t0 + bqc - 1 - off + band.lo)
-        if band.hi < _UNBOUNDED:
-            all_hi = jnp.minimum(all_hi, t0 - off + band.hi)
-        rows_inside = (t0 >= q_seq_lo) & (t0 + bqc <= q_seq_hi)
-        base = ki * block_kv
-        shift = bkc.bit_length() - 1
-        in_first = (jnp.maximum(all_lo, base) - base + bkc - 1) >> shift
-        in_end = (jnp.minimum(all_hi, base + block_kv - 1) - base + 1) >> shift
-        in_first = jnp.clip(in_first, first, end)
-        in_end = jnp.where(rows_inside, jnp.clip(in_end, in_first, end), in_first)
-        run(first, in_first, r0, t0, True)
-        run(in_first, in_end, r0, t0, False)
-        run(in_end, end, r0, t0, True)
+            gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
+            meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
+        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
+               meets=meets)
         return None
 
     @pl.when((flags & VALID) != 0)
@@ -568,10 +568,8 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     if has_segments and _tiling.tile_ranges_fit(B, Sq // bqc, Sk // bkc):
         # Each compute tile's (min, max) segment id, whole in SMEM: score tiles whose documents
         # do not meet are skipped inside an item.
-        q_min, q_max = _segment_ranges(qseg_ids, bqc)
-        k_min, k_max = _segment_ranges(kseg_ids, bkc)
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        args.append(jnp.concatenate([a.reshape(-1) for a in (q_min, q_max, k_min, k_max)]))
+        args.append(_range_table(qseg_ids, kseg_ids, bqc, bkc))
         tile_ranges = (B, Sq // bqc, Sk // bkc)
     in_specs += [
         pl.BlockSpec((None, None, G, bq, D), q_map),
@@ -631,57 +629,82 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
 # -------------------------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv, band,
-                 scale, softcap, has_segments):
+def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
+                 block_q_compute, block_kv_compute, band, scale, softcap, has_segments,
+                 tile_ranges):
+    """dk, dv for one kv block, accumulated over the kv-major list's q blocks. Per item, each kv
+    compute slice visits the q compute tiles that can see it (the band mirrored), in transposed
+    form: scores [kv rows, q rows], so lse and di arrive as lane rows, one [G, bqc] slab per q
+    tile."""
     refs = list(refs)
+    ranges_ref = refs.pop(0) if tile_ranges else None
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dk_ref, dv_ref, dk_acc, dv_acc = refs
+    b = pl.program_id(0)  # read here: interpret mode has no program_id in loops
     qi, ki, si, flags = _current_item(items_ref, layout)
-    rows = groups * block_q
+    bqc, bkc = block_q_compute, block_kv_compute
+    rows_c = groups * bqc
     seq = _seq_scalars(seq_ref, si, n_seq)
+    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     @pl.when((flags & FIRST) != 0)
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def _step(masked):
+    def tile(c, j, masked):
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        rows = pl.ds(pl.multiple_of(j * bqc, bqc), bqc)
         D = q_ref.shape[-1]
-        q = q_ref[...].reshape(rows, D)
-        do = do_ref[...].reshape(rows, D)
-        k = k_ref[...]
-        v = v_ref[...]
-        # Stats as lane rows [1, G*block_q]: the G heads' rows side by side.
-        lse = jnp.concatenate([lse_ref[g:g + 1, :] for g in range(groups)], axis=1)
-        di = jnp.concatenate([di_ref[g:g + 1, :] for g in range(groups)], axis=1)
+        q = q_ref[:, rows, :].reshape(rows_c, D)
+        do = do_ref[:, rows, :].reshape(rows_c, D)
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
+        # Stats as lane rows [1, G*bqc]: the G heads' rows side by side.
+        lse_j, di_j = lse_ref[j], di_ref[j]
+        lse = jnp.concatenate([lse_j[g:g + 1, :] for g in range(groups)], axis=1)
+        di = jnp.concatenate([di_j[g:g + 1, :] for g in range(groups)], axis=1)
         st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        st, c = _scores(st, scale, softcap)
+        st, cap = _scores(st, scale, softcap)
         if masked:
-            shape = (block_kv, rows)
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + ki * block_kv
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (block_q - 1)) + qi * block_q
+            shape = (bkc, rows_c)
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + (ki * block_kv + c * bkc)
+            t = ((jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (bqc - 1))
+                 + (qi * block_q + j * bqc))
             mask = _allowed(t, u, seq, band)
             if has_segments:
-                qs = (jnp.concatenate([qseg_ref[0:1, :]] * groups, axis=1) if groups > 1
-                      else qseg_ref[0:1, :])
-                mask = mask & (kseg_ref[:, 0:1] == qs)
+                qs = qseg_ref[j][0:1, :]
+                qs = jnp.concatenate([qs] * groups, axis=1) if groups > 1 else qs
+                mask = mask & (kseg_ref[keys, 0:1] == qs)
             pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
         else:
             pt = jnp.exp(st - lse)
-        dv_acc[...] += jax.lax.dot_general(pt.astype(do.dtype), do, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+        dv_acc[keys, :] += jax.lax.dot_general(pt.astype(do.dtype), do, (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
         dpt = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         dst = pt * (dpt - di)
         if softcap:
-            dst = dst * (1.0 - c * c)
+            dst = dst * (1.0 - cap * cap)
         dst = dst * scale
-        dk_acc[...] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+        dk_acc[keys, :] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
 
-    _when_masked_or_not((flags & VALID) != 0,
-                        _block_inside_band(qi, ki, block_q, block_kv, seq, band),
-                        has_segments, _step)
+    def kv_slice(c, _):
+        u0 = ki * block_kv + c * bkc
+        ranges = _inner_ranges(u0, bkc, (k_seq_lo, k_seq_hi), (q_seq_lo, q_seq_hi), -off,
+                               _mirror(band), qi * block_q, block_q, bqc)
+        meets = None
+        if tile_ranges:
+            gq, gk = qi * (block_q // bqc), ki * (block_kv // bkc) + c
+            meets = lambda j: _documents_meet(ranges_ref, tile_ranges, b, gq + j, gk)  # noqa: E731
+        _visit(ranges, lambda j, masked: tile(c, j, masked), has_segments=has_segments,
+               meets=meets)
+        return None
+
+    @pl.when((flags & VALID) != 0)
+    def _compute():
+        jax.lax.fori_loop(0, block_kv // bkc, kv_slice, None)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -689,108 +712,144 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv, band,
-               scale, softcap, has_segments):
+def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
+               block_q_compute, block_kv_compute, band, scale, softcap, has_segments,
+               tile_ranges):
+    """dq for one q block, accumulated in VMEM over the q-major list's kv blocks; compute tiles
+    visited as in the forward."""
     refs = list(refs)
+    ranges_ref = refs.pop(0) if tile_ranges else None
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
     dq_ref, dq_acc, lse_col, di_col = refs
+    b = pl.program_id(0)  # read here: interpret mode has no program_id in loops
     qi, ki, si, flags = _current_item(items_ref, layout)
-    rows = groups * block_q
+    bqc, bkc = block_q_compute, block_kv_compute
+    rows_c = groups * bqc
     seq = _seq_scalars(seq_ref, si, n_seq)
+    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     @pl.when((flags & FIRST) != 0)
     def _init():
         dq_acc[...] = jnp.zeros_like(dq_acc)
-        # Row -> column once per q block, so every item broadcasts stats along lanes.
+        # Row -> column once per q block, so every tile broadcasts stats along lanes.
         for g in range(groups):
-            sl = slice(g * block_q, (g + 1) * block_q)
-            lse_col[sl, :] = jnp.broadcast_to(lse_ref[g:g + 1, :], (NUM_LANES, block_q)).T
-            di_col[sl, :] = jnp.broadcast_to(di_ref[g:g + 1, :], (NUM_LANES, block_q)).T
+            lse_col[g] = jnp.broadcast_to(lse_ref[g:g + 1, :], (NUM_LANES, block_q)).T
+            di_col[g] = jnp.broadcast_to(di_ref[g:g + 1, :], (NUM_LANES, block_q)).T
 
-    def _step(masked):
+    def tile(r0, t0, c, masked):
+        rows = pl.ds(r0, bqc)
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
         D = q_ref.shape[-1]
-        q = q_ref[...].reshape(rows, D)
-        do = do_ref[...].reshape(rows, D)
-        k = k_ref[...]
-        v = v_ref[...]
+        q = q_ref[:, rows, :].reshape(rows_c, D)
+        do = do_ref[:, rows, :].reshape(rows_c, D)
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
+        lse = lse_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
+        di = di_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s, c = _scores(s, scale, softcap)
+        s, cap = _scores(s, scale, softcap)
         if masked:
-            shape = (rows, block_kv)
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (block_q - 1)) + qi * block_q
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + ki * block_kv
+            shape = (rows_c, bkc)
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
+            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (ki * block_kv + c * bkc)
             mask = _allowed(t, u, seq, band)
             if has_segments:
-                qs = qseg_ref[:, 0:1]
+                qs = qseg_ref[rows, 0:1]
                 qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
-                mask = mask & (qs == kseg_ref[0:1, :])
-            p = jnp.where(mask, jnp.exp(s - lse_col[:, 0:1]), 0.0)
+                mask = mask & (qs == kseg_ref[c][0:1, :])
+            p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         else:
-            p = jnp.exp(s - lse_col[:, 0:1])
+            p = jnp.exp(s - lse)
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - di_col[:, 0:1])
+        ds = p * (dp - di)
         if softcap:
-            ds = ds * (1.0 - c * c)
+            ds = ds * (1.0 - cap * cap)
         ds = ds * scale
-        dq_acc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+        dq = jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)
 
-    _when_masked_or_not((flags & VALID) != 0,
-                        _block_inside_band(qi, ki, block_q, block_kv, seq, band),
-                        has_segments, _step)
+    def q_tile(j, _):
+        r0 = pl.multiple_of(j * bqc, bqc)
+        t0 = qi * block_q + r0
+        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
+                               ki * block_kv, block_kv, bkc)
+        meets = None
+        if tile_ranges:
+            gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
+            meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
+        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
+               meets=meets)
+        return None
+
+    @pl.when((flags & VALID) != 0)
+    def _compute():
+        jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        dq_ref[...] = dq_acc[...].reshape(dq_ref.shape).astype(dq_ref.dtype)
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def _slabs(x, tile):
+    """A [B, Hkv, G, S] stat as [B, Hkv, S // tile, G, tile]: one [G, tile] lane-row slab per
+    compute tile, picked inside the kernel by an index on a leading dimension."""
+    *lead, G, S = x.shape
+    return jnp.swapaxes(x.reshape(*lead, G, S // tile, tile), -3, -2)
 
 
 def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles, interpret):
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
     bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
+    bqc, bkc = tiles.q_compute_bwd, tiles.kv_compute_bwd
     nq, nk = Sq // bq, Sk // bk
     di = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)  # [B, Hkv, G, Sq]
     has_segments = qseg is not None
     seq_arr = _seq_array(seqs)
     cp = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                               vmem_limit_bytes=tiles.vmem_limit_bytes_bwd)
-    common = dict(n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk, band=prob.band,
-                  scale=prob.scale, softcap=prob.softcap, has_segments=has_segments)
-    rows = G * bq
-
     qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
+    tile_ranges, head_specs, head_args = None, [], []
+    if has_segments and _tiling.tile_ranges_fit(B, Sq // bqc, Sk // bkc):
+        tile_ranges = (B, Sq // bqc, Sk // bkc)
+        head_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
+        head_args = [_range_table(qseg_ids, kseg_ids, bqc, bkc)]
+    common = dict(n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk, block_q_compute=bqc,
+                  block_kv_compute=bkc, band=prob.band, scale=prob.scale, softcap=prob.softcap,
+                  has_segments=has_segments, tile_ranges=tile_ranges)
 
-    def specs(layout):
+    def maps(layout):
         q_block = lambda b, i, it: layout.field(it, b, i, 0)  # noqa: E731
         kv_block = lambda b, i, it: layout.field(it, b, i, 1)  # noqa: E731
         q_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it), 0)  # noqa: E731
         kv_map = lambda b, h, i, it, sq: (b, h, kv_block(b, i, it), 0)  # noqa: E731
-        st_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it))  # noqa: E731
-        in_specs = [
-            pl.BlockSpec((None, None, G, bq, D), q_map),
-            pl.BlockSpec((None, None, bk, D), kv_map),
-            pl.BlockSpec((None, None, bk, D), kv_map),
-            pl.BlockSpec((None, None, G, bq, D), q_map),
-            pl.BlockSpec((None, None, G, bq), st_map),
-            pl.BlockSpec((None, None, G, bq), st_map),
-        ]
-        return in_specs, q_map, kv_map, q_block, kv_block
+        return q_block, kv_block, q_map, kv_map
 
-    args = [q5, k4, v4, do5, lse, di]
-
-    # dk, dv: kv-major list. Segment ids arrive transposed: q ids as a lane row, kv ids as a column.
+    # dk, dv: kv-major list. Stats and q segment ids as [G, bqc] / [8, bqc] lane-row slabs, one
+    # per q compute tile; kv segment ids as a column.
     items_kv, layout_kv, steps_kv = _items(seqs, prob, nq, nk, bq, bk, True, qseg_ids, kseg_ids)
-    in_specs, q_map, kv_map, q_block, kv_block = specs(layout_kv)
-    seg_args = []
+    q_block, kv_block, q_map, kv_map = maps(layout_kv)
+    slab_map = lambda b, h, i, it, sq: (b, h, q_block(b, i, it), 0, 0)  # noqa: E731
+    in_specs = head_specs + [
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, bq // bqc, G, bqc), slab_map),
+        pl.BlockSpec((None, None, bq // bqc, G, bqc), slab_map),
+    ]
+    args = head_args + [q5, k4, v4, do5, _slabs(lse, bqc), _slabs(di, bqc)]
     if has_segments:
-        qseg_row = jnp.broadcast_to(qseg[:, :, 0][:, None, :], (B, NUM_SUBLANES, Sq))
-        kseg_col = jnp.broadcast_to(kseg[:, 0, :][:, :, None], (B, Sk, NUM_LANES))
         in_specs += [
-            pl.BlockSpec((None, NUM_SUBLANES, bq), lambda b, h, i, it, sq: (b, 0, q_block(b, i, it))),
+            pl.BlockSpec((None, bq // bqc, NUM_SUBLANES, bqc),
+                         lambda b, h, i, it, sq: (b, q_block(b, i, it), 0, 0)),
             pl.BlockSpec((None, bk, NUM_LANES), lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0)),
         ]
-        seg_args = [qseg_row, kseg_col]
+        q_slabs = qseg_ids.reshape(B, Sq // bqc, 1, bqc)
+        args += [jnp.broadcast_to(q_slabs, (B, Sq // bqc, NUM_SUBLANES, bqc)),
+                 jnp.broadcast_to(kseg_ids[:, :, None], (B, Sk, NUM_LANES))]
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, layout=layout_kv, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -799,29 +858,42 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
             scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32)] * 2),
         out_shape=[jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)],
         compiler_params=cp, interpret=interpret, name="flash_attention_dkdv",
-    )(items_kv, seq_arr, *args, *seg_args)
+    )(items_kv, seq_arr, *args)
 
-    # dq: q-major list, accumulated in VMEM across the q block's kv blocks.
+    # dq: q-major list, accumulated in VMEM across the q block's kv blocks. Stats as lane rows
+    # [G, bq] (turned into columns once per q block); q segment ids as a column, kv ids as
+    # [8, bkc] lane-row slabs.
     items_q, layout_q, steps_q = _items(seqs, prob, nq, nk, bq, bk, False, qseg_ids, kseg_ids)
-    in_specs, q_map, kv_map, q_block, kv_block = specs(layout_q)
-    seg_args = []
+    q_block, kv_block, q_map, kv_map = maps(layout_q)
+    st_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it))  # noqa: E731
+    in_specs = head_specs + [
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+        pl.BlockSpec((None, None, bk, D), kv_map),
+        pl.BlockSpec((None, None, G, bq, D), q_map),
+        pl.BlockSpec((None, None, G, bq), st_map),
+        pl.BlockSpec((None, None, G, bq), st_map),
+    ]
+    args = head_args + [q5, k4, v4, do5, lse, di]
     if has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),
-            pl.BlockSpec((None, NUM_SUBLANES, bk), lambda b, h, i, it, sq: (b, 0, kv_block(b, i, it))),
+            pl.BlockSpec((None, bk // bkc, NUM_SUBLANES, bkc),
+                         lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0)),
         ]
-        seg_args = [qseg, kseg]
+        k_slabs = kseg_ids.reshape(B, Sk // bkc, 1, bkc)
+        args += [qseg, jnp.broadcast_to(k_slabs, (B, Sk // bkc, NUM_SUBLANES, bkc))]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, layout=layout_q, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hkv, steps_q), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, G, bq, D), q_map),
-            scratch_shapes=[pltpu.VMEM((rows, D), jnp.float32),
-                            pltpu.VMEM((rows, NUM_LANES), jnp.float32),
-                            pltpu.VMEM((rows, NUM_LANES), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((G, bq, D), jnp.float32),
+                            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),
+                            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         compiler_params=cp, interpret=interpret, name="flash_attention_dq",
-    )(items_q, seq_arr, *args, *seg_args)
+    )(items_q, seq_arr, *args)
     return dq, dk, dv, di
 
 

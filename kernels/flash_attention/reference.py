@@ -28,9 +28,15 @@ def mask(sq, sk, *, causal=False, window_size=(-1, -1)):
     return ok
 
 
-def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None,
-              sinks=None, q_segment_ids=None, kv_segment_ids=None):
+def attention(q, k, v, **kw):
     """q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D] f32 (computed in f32)."""
+    return attention_with_lse(q, k, v, **kw)[0]
+
+
+def attention_with_lse(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                       softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None):
+    """(output [B, Hq, Sq, D], log-sum-exp of each row's scores and sink [B, Hq, Sq]) in f32; a
+    row that sees nothing has output 0 and lse -inf."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -55,7 +61,8 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softm
     e = jnp.exp(s_all - mx)
     denom = jnp.sum(e, axis=-1, keepdims=True)
     p = e[..., :Sk] / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("bhqk,bhkd->bhqd", p, v)
+    lse = jnp.where(denom > 0, mx + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", p, v), lse[..., 0]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):

@@ -56,10 +56,12 @@ class Tiles:
     vmem_limit_bytes: Optional[int] = None
     vmem_limit_bytes_bwd: Optional[int] = None
     block_q_compute: Optional[int] = None  # None: block_q (one score tile per q block)
+    block_q_compute_bwd: Optional[int] = None  # None: block_q_bwd
+    block_kv_compute_bwd: Optional[int] = None  # None: block_kv_bwd
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd",
-                     "block_q_compute"):
+                     "block_q_compute", "block_q_compute_bwd", "block_kv_compute_bwd"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -69,10 +71,21 @@ class Tiles:
             raise ValueError("Tiles.block_kv must be a multiple of block_kv_compute")
         if self.block_q % self.q_compute:
             raise ValueError("Tiles.block_q must be a multiple of block_q_compute")
+        if self.block_q_bwd % self.q_compute_bwd or self.block_kv_bwd % self.kv_compute_bwd:
+            raise ValueError("Tiles.block_q_bwd / block_kv_bwd must be multiples of their "
+                             "compute tiles")
 
     @property
     def q_compute(self) -> int:
         return self.block_q_compute or self.block_q
+
+    @property
+    def q_compute_bwd(self) -> int:
+        return self.block_q_compute_bwd or self.block_q_bwd
+
+    @property
+    def kv_compute_bwd(self) -> int:
+        return self.block_kv_compute_bwd or self.block_kv_bwd
         # Lengths are padded to the larger of the forward and backward tiles: both must divide it.
 
 
@@ -101,14 +114,19 @@ def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_comput
     return need
 
 
-def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False) -> int:
+def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False,
+                  block_q_compute=None, block_kv_compute=None) -> int:
     dp = _r(head_dim, NUM_LANES)
     rows = groups * block_q
+    rows_c = groups * (block_q_compute or block_q)
+    cols_c = block_kv_compute or block_kv
     ins = 2 * 2 * rows * dp * itemsize + 2 * 2 * block_kv * dp * itemsize  # q, do, k, v
     ins += 2 * 2 * _r(groups, NUM_SUBLANES) * _r(block_q, NUM_LANES) * 4  # lse, di
     if segments:
         ins += 2 * block_q * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_kv * 4
-    temps = rows * block_kv * (5 * 4 + itemsize)  # s/p, dp, ds, mask, tanh, cast
+        ins += 2 * block_kv * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_q * 4
+    temps = rows_c * cols_c * (5 * 4 + itemsize)  # s/p, dp, ds, mask, tanh, cast
+    temps += 4 * rows_c * dp * 4  # the compute tile's q, do, and matmul outputs
     dkdv = ins + 2 * 2 * block_kv * dp * itemsize + 2 * block_kv * dp * 4 + temps
     dq = ins + 2 * rows * dp * itemsize + rows * dp * 4 + 2 * rows * NUM_LANES * 4 + temps
     return max(dkdv, dq)
@@ -154,36 +172,39 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
     groups = num_q_heads // num_kv_heads
     isz = _itemsize(dtype)
     budget = _budget(gen)
+    cost_kw = dict(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=q_len,
+                   kv_len=kv_len, head_dim=head_dim, dtype=dtype, causal=causal,
+                   window_size=window_size)
     best_f, best_b = None, None
     for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
-        t = Tiles(bq, bk, bkc, min(bq, 512), min(bk, 512), block_q_compute=bqc)
+        # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
         nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
         if nf <= budget:
-            c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                              q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
-                              causal=causal, window_size=window_size, tiles=t, pass_="fwd")
+            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc)
+            c = estimate_cost(tiles=t, pass_="fwd", **cost_kw)
             pad = _pad_copy_bytes(total_q or q_len, total_kv or kv_len, bq, bk, num_q_heads,
                                   num_kv_heads, head_dim, isz)
             key = (c.modelled_seconds(gen) + pad / gen.hbm_bytes_per_s, -bq * bk, -bqc)
             if best_f is None or key < best_f[0]:
                 best_f = (key, bq, bqc, bk, bkc, nf)
-        if bk <= 512 and bq <= 512 and bqc == bq and (groups * bq <= MAX_ROWS or bq == 128):
-            nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments)
-            if nb <= budget:
-                c = estimate_cost(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                  q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
-                                  causal=causal, window_size=window_size, tiles=t, pass_="bwd")
-                key = (c.modelled_seconds(gen), -bq * bk)
-                if best_b is None or key < best_b[0]:
-                    best_b = (key, bq, bk, nb)
+        # backward: the same candidate as (block_q_bwd, its compute tile, block_kv_bwd, ...)
+        nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc)
+        if nb <= budget:
+            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc, block_q_compute_bwd=bqc,
+                      block_kv_compute_bwd=bkc)
+            c = estimate_cost(tiles=t, pass_="bwd", **cost_kw)
+            key = (c.modelled_seconds(gen), -bq * bk, -bqc)
+            if best_b is None or key < best_b[0]:
+                best_b = (key, bq, bqc, bk, bkc, nb)
     if best_f is None or best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
             f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly")
     _, bq, bqc, bk, bkc, nf = best_f
-    _, bqb, bkb, nb = best_b
+    _, bqb, bqcb, bkb, bkcb, nb = best_b
     return Tiles(bq, bk, bkc, bqb, bkb, vmem_limit_bytes=vmem_limit_bytes(gen, nf),
-                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb), block_q_compute=bqc)
+                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb), block_q_compute=bqc,
+                 block_q_compute_bwd=bqcb, block_kv_compute_bwd=bkcb)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -330,6 +351,43 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
 
     stat = _r(G, 1) * 4  # one f32 per row per head, lane-major [G, block]
 
+    def tile_tables(bqc, bkc):
+        """(min, max) segment id per q compute tile and kv slice, as the kernels hold them in
+        SMEM (None when they do not: no ids, or past MAX_TILE_RANGE_BYTES), and their bytes."""
+        if not (has_ids and tile_ranges_fit(B, Sq // bqc, Sk // bkc)):
+            return None
+        qt = padded_ids(q_ids, Sq, -1).reshape(B, -1, bqc)
+        kt = padded_ids(kv_ids, Sk, -2).reshape(B, -1, bkc)
+        return (qt.min(2), qt.max(2), kt.min(2), kt.max(2),
+                B * (Sq // bqc + Sk // bkc) * 2 * 4)
+
+    def count_live_tiles(lists, bq, bqc, bk, bkc, tables):
+        """Score tiles the kernels compute: per valid item, the (q compute tile, kv slice) pairs
+        holding an allowed (query, key) pair (and, with tables, whose documents meet)."""
+        qi, ki, si, fl = np.concatenate(lists, axis=1)
+        bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
+        valid = (fl & 1) != 0
+        ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
+        live = 0
+        for j in range(bq // bqc):
+            q_lo = np.maximum(qi * bq + j * bqc, ql)
+            q_hi = np.minimum(qi * bq + (j + 1) * bqc, qh)
+            for c in range(bk // bkc):
+                u0 = ki * bk + c * bkc
+                k_lo = np.maximum(u0, kl)
+                k_hi = np.minimum(u0 + bkc, kh)
+                ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
+                if tables is not None:
+                    qt_min, qt_max, kt_min, kt_max, _ = tables
+                    gq, gk = qi * (bq // bqc) + j, ki * (bk // bkc) + c
+                    ok &= (qt_min[bi, gq] <= kt_max[bi, gk]) & (kt_min[bi, gk] <= qt_max[bi, gq])
+                if band.hi < _UNBOUNDED:
+                    ok &= k_lo - (q_hi - 1) + off <= band.hi
+                if band.lo > -_UNBOUNDED:
+                    ok &= (k_hi - 1) - q_lo + off >= band.lo
+                live += int(ok.sum())
+        return live
+
     if pass_ == "fwd":
         bq, bk, bkc, bqc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute, tiles.q_compute
         lists, smem = items(bq, bk, False)
@@ -342,35 +400,10 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             hbm += _fetches([it[0] for it in lists], False, Hkv) * bq * NUM_LANES * 4
             hbm += _fetches([it[1] for it in lists], False, Hkv) * NUM_SUBLANES * bk * 4
         hbm += smem + (num_q_heads * 4 if has_sinks else 0)  # sinks: whole-array SMEM copy
-        # Issued MXU work: per valid item, the (q, kv) compute tiles the band leaves non-empty
-        # (and, with segment ids, whose documents meet).
-        qi, ki, si, fl = np.concatenate(lists, axis=1)
-        bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
-        valid = (fl & 1) != 0
-        ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
-        tile_ids = has_ids and tile_ranges_fit(B, Sq // bqc, Sk // bkc)
-        if tile_ids:
-            qt = padded_ids(q_ids, Sq, -1).reshape(B, -1, bqc)
-            kt = padded_ids(kv_ids, Sk, -2).reshape(B, -1, bkc)
-            qt_min, qt_max, kt_min, kt_max = qt.min(2), qt.max(2), kt.min(2), kt.max(2)
-            hbm += B * (Sq // bqc + Sk // bkc) * 2 * 4  # the tile ranges: a whole-array SMEM copy
-        live_tiles = 0
-        for j in range(bq // bqc):
-            q_lo = np.maximum(qi * bq + j * bqc, ql)
-            q_hi = np.minimum(qi * bq + (j + 1) * bqc, qh)
-            for c in range(bk // bkc):
-                u0 = ki * bk + c * bkc
-                k_lo = np.maximum(u0, kl)
-                k_hi = np.minimum(u0 + bkc, kh)
-                ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
-                if tile_ids:
-                    gq, gk = qi * (bq // bqc) + j, ki * (bk // bkc) + c
-                    ok &= (qt_min[bi, gq] <= kt_max[bi, gk]) & (kt_min[bi, gk] <= qt_max[bi, gq])
-                if band.hi < _UNBOUNDED:
-                    ok &= k_lo - (q_hi - 1) + off <= band.hi
-                if band.lo > -_UNBOUNDED:
-                    ok &= (k_hi - 1) - q_lo + off >= band.lo
-                live_tiles += int(ok.sum())
+        tables = tile_tables(bqc, bkc)
+        if tables is not None:
+            hbm += tables[-1]  # the tile ranges: a whole-array SMEM copy
+        live_tiles = count_live_tiles(lists, bq, bqc, bk, bkc, tables)
         mxu = Hkv * live_tiles * 2 * (2 * G * bqc * bkc * dp)
         steps = Hkv * sum(it.shape[1] for it in lists)
         min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz
@@ -381,6 +414,8 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     if pass_ != "bwd":
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
     bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
+    bqc, bkc = tiles.q_compute_bwd, tiles.kv_compute_bwd
+    tables = tile_tables(bqc, bkc)
     hbm = mxu = steps = 0
     for kv_major, outs in ((True, "kv"), (False, "q")):
         lists, smem = items(bq, bk, kv_major)
@@ -398,12 +433,14 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
                             else (bq * NUM_LANES, NUM_SUBLANES * bk))
             hbm += _fetches([it[0] for it in lists], False, Hkv) * q_seg * 4
             hbm += _fetches([it[1] for it in lists], False, Hkv) * k_seg * 4
-        hbm += smem
-        n_valid = sum(int(((it[3] & 1) != 0).sum()) for it in lists)
-        mxu += Hkv * n_valid * (4 if kv_major else 3) * (2 * G * bq * bk * dp)
+        hbm += smem + (tables[-1] if tables is not None else 0)
+        # dk/dv visit each (kv slice, q tile) pair the dq pass visits as (q tile, kv slice):
+        # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq).
+        live = count_live_tiles(lists, bq, bqc, bk, bkc, tables)
+        mxu += Hkv * live * (4 if kv_major else 3) * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
     min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
                  + 2 * B * num_q_heads * q_len * 4  # lse, di
                  + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
-    need = vmem_need_bwd(G, D, isz, bq, bk, segments)
+    need = vmem_need_bwd(G, D, isz, bq, bk, segments, bqc, bkc)
     return KernelCost(2 * useful_fwd, mxu, hbm, min_bytes, steps, need)
