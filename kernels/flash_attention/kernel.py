@@ -33,9 +33,11 @@ keeps f32 running max m and sum l per row in VMEM scratch (an attention sink sta
 m = sink, l = 1). At the last item of a q block the output and the log-sum-exp (lse, used by the
 backward) are written.
 
-Backward: dk/dv walk q blocks for each kv block (kv-major list) in transposed form (scores are
-[kv rows, q rows], so lse and di = rowsum(do * o) arrive as lane rows); dq walks kv blocks for each
-q block (q-major list) and accumulates in VMEM: no per-kv-block dq is ever written to HBM.
+Backward: the same large-block / small-tile scheme (`_inner_ranges` serves all three kernels).
+dk/dv walk q blocks for each kv block (kv-major list): each kv slice visits the q tiles that can
+see it (the band mirrored), in transposed form (scores are [kv rows, q rows], so lse and
+di = rowsum(do * o) arrive as lane rows, one [G, tile] slab per q tile); dq walks kv blocks for
+each q block (q-major list) and accumulates in VMEM: no per-kv-block dq is ever written to HBM.
 """
 
 from __future__ import annotations
@@ -311,6 +313,44 @@ def _documents_meet(ranges_ref, shape, b, gq, gk):
             & (ranges_ref[k] <= ranges_ref[batch * n_qt + q]))
 
 
+def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
+    """Mask of a q-major score tile [G*bqc, bkc]: rows stack G heads of the bqc query tokens from
+    t0 (the token is the row index mod bqc), columns are the keys from u0. `ids`: (q segment ids
+    as a column [bqc, 1], kv segment ids as a row [1, bkc])."""
+    shape = (groups * bqc, bkc)
+    t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
+    u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + u0
+    mask = _allowed(t, u, seq, band)
+    if ids is not None:
+        q_ids, kv_ids = ids
+        q_ids = jnp.concatenate([q_ids] * groups, axis=0) if groups > 1 else q_ids
+        mask = mask & (q_ids == kv_ids)
+    return mask
+
+
+def _walk_q_tiles(tile, *, b, qi, ki, block_q, block_kv, bqc, bkc, seq, band, has_segments,
+                  tile_ranges, ranges_ref):
+    """Forward and dq: for each q compute tile of the item's q block (query tokens [t0, t0 + bqc),
+    the G heads' rows r0 ... r0 + bqc), tile(r0, t0, c, masked) over the kv slices c of the item's
+    kv block that the band lets it see."""
+    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
+
+    def q_tile(j, _):
+        r0 = pl.multiple_of(j * bqc, bqc)
+        t0 = qi * block_q + r0
+        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
+                               ki * block_kv, block_kv, bkc)
+        meets = None
+        if tile_ranges:
+            gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
+            meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
+        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
+               meets=meets)
+        return None
+
+    jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
+
+
 def _scores(s, scale, softcap):
     """Scaled (and soft-capped) f32 scores; returns (scores, tanh) for the softcap gradient."""
     if softcap:
@@ -365,7 +405,6 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
     seq = _seq_scalars(seq_ref, si, n_seq)
-    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -393,15 +432,8 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         m_prev = m_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         l_prev = l_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         if masked:
-            shape = (rows_c, bkc)
-            # Rows stack G heads of bqc tokens: the token is the row index mod bqc.
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (ki * block_kv + c * bkc)
-            mask = _allowed(t, u, seq, band)
-            if has_segments:
-                qs = qseg_ref[rows, 0:1]
-                qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
-                mask = mask & (qs == kseg_ref[c][0:1, :])
+            ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
+            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
             m_cur = jnp.max(jnp.where(mask, s, NEG_INF), axis=1, keepdims=True)
             m_new = jnp.maximum(m_prev, m_cur)
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
@@ -418,23 +450,11 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         m_ref[:, rows, :] = jnp.broadcast_to(m_new, (rows_c, NUM_LANES)).reshape(stat_shape)
         l_ref[:, rows, :] = jnp.broadcast_to(l_new, (rows_c, NUM_LANES)).reshape(stat_shape)
 
-    def q_tile(j, _):
-        # Query tokens [t0, t0 + bqc): the G heads' rows r0 ... r0 + bqc of this block.
-        r0 = pl.multiple_of(j * bqc, bqc)
-        t0 = qi * block_q + r0
-        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
-                               ki * block_kv, block_kv, bkc)
-        meets = None
-        if tile_ranges:
-            gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
-            meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
-        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
-               meets=meets)
-        return None
-
     @pl.when((flags & VALID) != 0)
     def _compute():
-        jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
+        _walk_q_tiles(tile, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
+                      bkc=bkc, seq=seq, band=band, has_segments=has_segments,
+                      tile_ranges=tile_ranges, ranges_ref=ranges_ref)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -727,7 +747,6 @@ def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc
     seq = _seq_scalars(seq_ref, si, n_seq)
-    q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -750,14 +769,8 @@ def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s, cap = _scores(s, scale, softcap)
         if masked:
-            shape = (rows_c, bkc)
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (ki * block_kv + c * bkc)
-            mask = _allowed(t, u, seq, band)
-            if has_segments:
-                qs = qseg_ref[rows, 0:1]
-                qs = jnp.concatenate([qs] * groups, axis=0) if groups > 1 else qs
-                mask = mask & (qs == kseg_ref[c][0:1, :])
+            ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
+            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
             p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         else:
             p = jnp.exp(s - lse)
@@ -770,22 +783,11 @@ def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_
                                  preferred_element_type=jnp.float32)
         dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)
 
-    def q_tile(j, _):
-        r0 = pl.multiple_of(j * bqc, bqc)
-        t0 = qi * block_q + r0
-        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
-                               ki * block_kv, block_kv, bkc)
-        meets = None
-        if tile_ranges:
-            gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
-            meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
-        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
-               meets=meets)
-        return None
-
     @pl.when((flags & VALID) != 0)
     def _compute():
-        jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
+        _walk_q_tiles(tile, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
+                      bkc=bkc, seq=seq, band=band, has_segments=has_segments,
+                      tile_ranges=tile_ranges, ranges_ref=ranges_ref)
 
     @pl.when((flags & LAST) != 0)
     def _finish():

@@ -6,7 +6,8 @@ block has G*block_q rows) and block_kv key tokens per DMA, and computes in score
 block_q_compute x block_kv_compute inside them, skipping the tiles the mask leaves empty. Large DMA
 blocks cut grid steps and K/V re-reads (K/V are read once per q block); small compute tiles keep
 the masked work near the band's edge (a sliding window or the causal diagonal) small.
-block_q_bwd / block_kv_bwd are the two backward passes' blocks. `choose_tiles` tries the
+block_q_bwd / block_kv_bwd are the two backward passes' DMA blocks and block_q_compute_bwd /
+block_kv_compute_bwd their compute tiles. `choose_tiles` tries the
 candidates whose every VMEM buffer fits the generation's budget and keeps the one with the lowest
 modelled time (KernelCost.modelled_seconds) on the caller's shape; `Tiles(...)` overrides it.
 """
@@ -23,8 +24,8 @@ from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generat
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _UNBOUNDED = 1 << 30
-# At most this many stacked query rows (G heads x block_q) per q block: beyond it the score tile
-# ([rows, block_kv_compute] f32) grows past 4 MiB with no modelled gain, and compile time balloons.
+# At most this many stacked query rows (G heads x block_q_compute) per compute tile: beyond it the
+# score tile ([rows, block_kv_compute] f32) grows past 4 MiB with no modelled gain.
 MAX_ROWS = 2048
 
 
