@@ -2,6 +2,7 @@
 plain interpret mode over hypothesis-drawn shapes and features, the work list, the cost model,
 and small shapes in TPU interpret mode (races, NaN-filled memory, raising out-of-bounds reads)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +25,8 @@ SMALL = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=16, bl
 # Four compute tiles per block along each axis, and backward blocks of other shapes.
 WIDE = T.Tiles(block_q=64, block_kv=64, block_kv_compute=16, block_q_bwd=32, block_kv_bwd=16,
                block_q_compute=16, block_q_compute_bwd=16)
+# The fused backward (dq resident in VMEM for the whole sequence).
+FUSED = dataclasses.replace(WIDE, block_kv_bwd=32, block_kv_compute_bwd=16, fused_bwd=True)
 # Fewer, heavier examples than the profile's default: each one compiles two kernels.
 N_EXAMPLES = max(3, settings.default.max_examples // 2)
 
@@ -113,7 +116,7 @@ def dense_configs(draw):
     sinks = draw(st.booleans())
     batch = draw(st.sampled_from([1, 2]))
     segments = sq == sk and draw(st.booleans())
-    tiles = draw(st.sampled_from([SMALL, WIDE]))
+    tiles = draw(st.sampled_from([SMALL, WIDE, FUSED]))
     return (batch, groups * hkv, hkv, sq, sk, d, dtype, causal, (left, right), softcap, sinks,
             segments, tiles)
 
@@ -247,7 +250,7 @@ def varlen_configs(draw):
     softcap = draw(st.sampled_from([0.0, 3.0]))
     sinks = draw(st.booleans())
     dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
-    tiles = draw(st.sampled_from([SMALL, WIDE]))
+    tiles = draw(st.sampled_from([SMALL, WIDE, FUSED]))
     return lens_q, lens_k, causal, window, softcap, sinks, dtype, tiles
 
 
@@ -431,13 +434,15 @@ TINY = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=32, blo
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-def test_tpu_interpret_dense_causal_gqa_window_sinks():
+@pytest.mark.parametrize("fused", [False, True])
+def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
     try:
+        tiles = dataclasses.replace(TINY, fused_bwd=fused)
         _check_dense(*_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True,
-                                  False), tiles=TINY, interpret=_tpu_params())
+                                  False), tiles=tiles, interpret=_tpu_params())
         assert _no_races()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
@@ -493,11 +498,13 @@ class _HbmCounter:
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["dense_window_sinks", "varlen_causal", "dense_segments"])
+@pytest.mark.parametrize("case", ["dense_window_sinks", "varlen_causal", "dense_segments",
+                                  "varlen_causal_fused_bwd"])
 def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
     from jax.experimental.pallas import tpu as pltpu
 
-    tiles = T.Tiles(128, 256, 128, 128, 256)
+    tiles = T.Tiles(128, 256, 128, 128, 256, fused_bwd=case.endswith("fused_bwd"),
+                    block_q_compute_bwd=64 if case.endswith("fused_bwd") else None)
     params = _tpu_params()
     if case == "dense_window_sinks":
         B, Hq, Hkv, S, D, dtype = 2, 2, 1, 384, 128, jnp.float32

@@ -38,6 +38,8 @@ dk/dv walk q blocks for each kv block (kv-major list): each kv slice visits the 
 see it (the band mirrored), in transposed form (scores are [kv rows, q rows], so lse and
 di = rowsum(do * o) arrive as lane rows, one [G, tile] slab per q tile); dq walks kv blocks for
 each q block (q-major list) and accumulates in VMEM: no per-kv-block dq is ever written to HBM.
+When dq of the whole sequence fits VMEM (`Tiles.fused_bwd`), the dk/dv kernel also accumulates
+it in a scratch that lives across the (batch, head)'s items and no dq pass runs.
 """
 
 from __future__ import annotations
@@ -651,17 +653,23 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
 
 def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
                  block_q_compute, block_kv_compute, band, scale, softcap, has_segments,
-                 tile_ranges):
+                 tile_ranges, fused_dq=False):
     """dk, dv for one kv block, accumulated over the kv-major list's q blocks. Per item, each kv
     compute slice visits the q compute tiles that can see it (the band mirrored), in transposed
     form: scores [kv rows, q rows], so lse and di arrive as lane rows, one [G, bqc] slab per q
-    tile."""
+    tile. `fused_dq`: dq of the whole sequence also accumulates here, in a VMEM scratch that
+    lives across the (batch, head)'s items and is written once at its last step (5 matmuls per
+    score tile instead of 4 here + 3 in a dq pass; chosen only when it fits VMEM)."""
     refs = list(refs)
     ranges_ref = refs.pop(0) if tile_ranges else None
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[6:], has_segments)
-    dk_ref, dv_ref, dk_acc, dv_acc = refs
+    if fused_dq:
+        dk_ref, dv_ref, dq_ref, dk_acc, dv_acc, dq_acc = refs
+    else:
+        dk_ref, dv_ref, dk_acc, dv_acc = refs
     b = pl.program_id(0)  # read here: interpret mode has no program_id in loops
+    step, n_steps = pl.program_id(2), pl.num_programs(2)
     qi, ki, si, flags = _current_item(items_ref, layout)
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc
@@ -672,6 +680,11 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    if fused_dq:
+        @pl.when(step == 0)
+        def _init_dq():
+            dq_acc[...] = jnp.zeros_like(dq_acc)
 
     def tile(c, j, masked):
         keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
@@ -709,6 +722,11 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
         dst = dst * scale
         dk_acc[keys, :] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                                preferred_element_type=jnp.float32)
+        if fused_dq:
+            dq = jax.lax.dot_general(dst.astype(k.dtype), k, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [G*bqc, D]
+            q_rows = pl.ds(pl.multiple_of(qi * block_q + j * bqc, bqc), bqc)
+            dq_acc[:, q_rows, :] += dq.reshape(groups, bqc, D)
 
     def kv_slice(c, _):
         u0 = ki * block_kv + c * bkc
@@ -730,6 +748,11 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
     def _finish():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    if fused_dq:
+        @pl.when(step == n_steps - 1)
+        def _finish_dq():
+            dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
 def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
@@ -852,15 +875,27 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         q_slabs = qseg_ids.reshape(B, Sq // bqc, 1, bqc)
         args += [jnp.broadcast_to(q_slabs, (B, Sq // bqc, NUM_SUBLANES, bqc)),
                  jnp.broadcast_to(kseg_ids[:, :, None], (B, Sk, NUM_LANES))]
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, layout=layout_kv, **common),
+    out_specs = [pl.BlockSpec((None, None, bk, D), kv_map)] * 2
+    out_shape = [jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)]
+    scratch = [pltpu.VMEM((bk, D), jnp.float32)] * 2
+    if tiles.fused_bwd:
+        # dq of the whole sequence stays in VMEM for each (batch, head): one block, written back
+        # when the head changes.
+        out_specs.append(pl.BlockSpec((None, None, G, Sq, D), lambda b, h, i, it, sq: (b, h, 0, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct(q5.shape, q5.dtype))
+        scratch.append(pltpu.VMEM((G, Sq, D), jnp.float32))
+    grads = pl.pallas_call(
+        functools.partial(_dkdv_kernel, layout=layout_kv, fused_dq=tiles.fused_bwd, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hkv, steps_kv), in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, bk, D), kv_map)] * 2,
-            scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32)] * 2),
-        out_shape=[jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)],
-        compiler_params=cp, interpret=interpret, name="flash_attention_dkdv",
+            out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape, compiler_params=cp, interpret=interpret,
+        name="flash_attention_dkdvq" if tiles.fused_bwd else "flash_attention_dkdv",
     )(items_kv, seq_arr, *args)
+    if tiles.fused_bwd:
+        dk, dv, dq = grads
+        return dq, dk, dv, di
+    dk, dv = grads
 
     # dq: q-major list, accumulated in VMEM across the q block's kv blocks. Stats as lane rows
     # [G, bq] (turned into columns once per q block); q segment ids as a column, kv ids as

@@ -59,6 +59,9 @@ class Tiles:
     block_q_compute: Optional[int] = None  # None: block_q (one score tile per q block)
     block_q_compute_bwd: Optional[int] = None  # None: block_q_bwd
     block_kv_compute_bwd: Optional[int] = None  # None: block_kv_bwd
+    # One backward kernel with dq of the whole sequence resident in VMEM (5 matmuls per score
+    # tile instead of 7), for sequences whose dq fits; else dk/dv and dq passes.
+    fused_bwd: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd",
@@ -116,7 +119,9 @@ def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_comput
 
 
 def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False,
-                  block_q_compute=None, block_kv_compute=None) -> int:
+                  block_q_compute=None, block_kv_compute=None, fused_q_len=None) -> int:
+    """The larger of the dk/dv and dq kernels' needs; with `fused_q_len` (the padded query
+    length) the fused kernel's: dk/dv plus the sequence's dq (f32 scratch, double-buffered out)."""
     dp = _r(head_dim, NUM_LANES)
     rows = groups * block_q
     rows_c = groups * (block_q_compute or block_q)
@@ -129,6 +134,8 @@ def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False,
     temps = rows_c * cols_c * (5 * 4 + itemsize)  # s/p, dp, ds, mask, tanh, cast
     temps += 4 * rows_c * dp * 4  # the compute tile's q, do, and matmul outputs
     dkdv = ins + 2 * 2 * block_kv * dp * itemsize + 2 * block_kv * dp * 4 + temps
+    if fused_q_len is not None:
+        return dkdv + groups * fused_q_len * dp * (4 + 2 * itemsize) + rows_c * dp * 4
     dq = ins + 2 * rows * dp * itemsize + rows * dp * 4 + 2 * rows * NUM_LANES * 4 + temps
     return max(dkdv, dq)
 
@@ -188,24 +195,28 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
             key = (c.modelled_seconds(gen) + pad / gen.hbm_bytes_per_s, -bq * bk, -bqc)
             if best_f is None or key < best_f[0]:
                 best_f = (key, bq, bqc, bk, bkc, nf)
-        # backward: the same candidate as (block_q_bwd, its compute tile, block_kv_bwd, ...)
-        nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc)
-        if nb <= budget:
+        # backward: the same candidate as (block_q_bwd, its compute tile, block_kv_bwd, ...),
+        # as two passes or fused (dq resident in VMEM: the padded sequence must fit)
+        for fused in (False, True):
+            seq_q = _r(total_q or q_len, bq) if fused else None
+            nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
+            if nb > budget:
+                continue
             t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc, block_q_compute_bwd=bqc,
-                      block_kv_compute_bwd=bkc)
+                      block_kv_compute_bwd=bkc, fused_bwd=fused)
             c = estimate_cost(tiles=t, pass_="bwd", **cost_kw)
             key = (c.modelled_seconds(gen), -bq * bk, -bqc)
             if best_b is None or key < best_b[0]:
-                best_b = (key, bq, bqc, bk, bkc, nb)
+                best_b = (key, bq, bqc, bk, bkc, nb, fused)
     if best_f is None or best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
             f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly")
     _, bq, bqc, bk, bkc, nf = best_f
-    _, bqb, bqcb, bkb, bkcb, nb = best_b
+    _, bqb, bqcb, bkb, bkcb, nb, fused = best_b
     return Tiles(bq, bk, bkc, bqb, bkb, vmem_limit_bytes=vmem_limit_bytes(gen, nf),
                  vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb), block_q_compute=bqc,
-                 block_q_compute_bwd=bqcb, block_kv_compute_bwd=bkcb)
+                 block_q_compute_bwd=bqcb, block_kv_compute_bwd=bkcb, fused_bwd=fused)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -417,8 +428,11 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
     bqc, bkc = tiles.q_compute_bwd, tiles.kv_compute_bwd
     tables = tile_tables(bqc, bkc)
+    fused = tiles.fused_bwd
     hbm = mxu = steps = 0
-    for kv_major, outs in ((True, "kv"), (False, "q")):
+    if fused:  # dq of each (batch, head) written once, from the VMEM-resident block
+        hbm += B * Hkv * G * Sq * D * isz
+    for kv_major, outs in (((True, "kv"),) if fused else ((True, "kv"), (False, "q"))):
         lists, smem = items(bq, bk, kv_major)
         n_q = _fetches([it[0] for it in lists], True, Hkv)
         n_k = _fetches([it[1] for it in lists], True, Hkv)
@@ -436,12 +450,13 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             hbm += _fetches([it[1] for it in lists], False, Hkv) * k_seg * 4
         hbm += smem + (tables[-1] if tables is not None else 0)
         # dk/dv visit each (kv slice, q tile) pair the dq pass visits as (q tile, kv slice):
-        # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq).
+        # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq); fused: 5 (+ dq).
         live = count_live_tiles(lists, bq, bqc, bk, bkc, tables)
-        mxu += Hkv * live * (4 if kv_major else 3) * (2 * G * bqc * bkc * dp)
+        n_mm = (5 if fused else 4) if kv_major else 3
+        mxu += Hkv * live * n_mm * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
     min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
                  + 2 * B * num_q_heads * q_len * 4  # lse, di
                  + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
-    need = vmem_need_bwd(G, D, isz, bq, bk, segments, bqc, bkc)
+    need = vmem_need_bwd(G, D, isz, bq, bk, segments, bqc, bkc, Sq if fused else None)
     return KernelCost(2 * useful_fwd, mxu, hbm, min_bytes, steps, need)
