@@ -100,3 +100,20 @@ def test_compiles_segment_ids_at_llama_shape(gen):
         gen, lambda q, k, v, o, lse, do, sq, sk: K.flash_attention_bwd(
             q, k, v, o, lse, do, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles)[:3],
         q, kv, kv, q, ((1, Hq, S), jnp.float32), q, seg, seg)
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_compiles_fused_backward(gen):
+    """Llama-3-8B heads at 2048 tokens: dq of the sequence fits VMEM on every generation, so
+    choose_tiles takes the fused backward (one kernel, dq resident in VMEM); it must compile."""
+    s = dict(SHAPES["llama3_8b"], S=2048)
+    Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
+    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                           dtype=jnp.bfloat16, causal=True, generation=gen)
+    assert tiles.fused_bwd
+    q = ((1, Hq, S, D), jnp.bfloat16)
+    kv = ((1, Hkv, S, D), jnp.bfloat16)
+    tpu_compile.compile_for(
+        gen, lambda q, k, v, o, lse, do: K.flash_attention_bwd(
+            q, k, v, o, lse, do, causal=True, tiles=tiles)[:3],
+        q, kv, kv, q, ((1, Hq, S), jnp.float32), q)
