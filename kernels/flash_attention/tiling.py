@@ -343,7 +343,8 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         s32 = tuple(np.asarray(a, np.int32) for a in seqs)
         band_list = build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major)
         bound = max_work_items(n_seq, nq, nk) if varlen else band_list.shape[1]
-        if has_ids and per_batch_lists_fit(B, bound):
+        per_row = has_ids and per_batch_lists_fit(B, bound)  # else one list, ids only mask
+        if per_row:
             qb = padded_ids(q_ids, Sq, -1).reshape(B, nq, bq)
             kb = padded_ids(kv_ids, Sk, -2).reshape(B, nk, bk)
             lists = [build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major,
@@ -357,7 +358,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         steps = max(it.shape[1] for it in lists)
         lists = [np.concatenate([it, np.repeat(it[:, -1:], steps - it.shape[1], axis=1)
                                  * np.array([[1], [1], [1], [0]])], axis=1) for it in lists]
-        n_lists = B if has_ids and per_batch_lists_fit(B, bound) else 1
+        n_lists = B if per_row else 1
         smem = (n_lists * 4 * bound * 4 + 5 * n_seq * 4) if count_scalar_prefetch else 0
         return lists, smem
 
