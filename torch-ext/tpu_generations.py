@@ -30,6 +30,12 @@ class TpuGeneration:
     fp8_flops: float | None
     hbm_bytes_per_s: float
     step_overhead_s: float = 0.35e-6  # fixed cost of one grid step
+    # Core clock used to turn compiled VLIW bundles into time (benchmarks/schedule_model.py): one
+    # bundle issues per cycle. No public source gives these clocks; each is derived from the bf16
+    # peak and the MXU array (peak / FLOPs per cycle) and is an assumption until
+    # benchmarks/validate_schedule.py checks it against tokamax's published TPU timings.
+    clock_hz: float = 1.75e9
+    clock_source: str = "assumed"
     cores_per_device: int = 1  # >1: megacore, "parallel" grid dims are split across cores
 
 
@@ -40,25 +46,32 @@ GENERATIONS: dict[str, TpuGeneration] = {
             name="v5e", topology="v5e:2x2", device_kinds=("TPU v5 lite", "TPU v5e"),
             vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
             mxu_size=128, bf16_sublanes=16, bf16_flops=197e12, int8_ops=393e12, fp8_flops=None,
-            hbm_bytes_per_s=819e9,
+            hbm_bytes_per_s=819e9, clock_hz=1.5e9,
+            clock_source="197 TFLOP/s / (4 MXUs x 128x128 x 2 FLOP) = 1.50 GHz (derived, assumed)",
         ),
         TpuGeneration(
             name="v5p", topology="v5p:2x2x1", device_kinds=("TPU v5", "TPU v5p"),
             vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
             mxu_size=128, bf16_sublanes=16, bf16_flops=459e12, int8_ops=918e12, fp8_flops=459e12,
-            hbm_bytes_per_s=2765e9, cores_per_device=2,
+            hbm_bytes_per_s=2765e9, cores_per_device=2, clock_hz=1.75e9,
+            clock_source="459 TFLOP/s / 2 cores / (4 MXUs x 128x128 x 2 FLOP) = 1.75 GHz "
+                         "(derived, assumed)",
         ),
         TpuGeneration(
             name="v6e", topology="v6e:2x2", device_kinds=("TPU v6 lite", "TPU v6e"),
             vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
             mxu_size=256, bf16_sublanes=16, bf16_flops=918e12, int8_ops=1836e12, fp8_flops=918e12,
-            hbm_bytes_per_s=1638e9,
+            hbm_bytes_per_s=1638e9, clock_hz=1.75e9,
+            clock_source="918 TFLOP/s / 524,288 FLOP per cycle = 1.75 GHz (the figure "
+                         "compiled-schedule.md assumes; derived, assumed)",
         ),
         TpuGeneration(
             name="tpu7x", topology="tpu7x:2x2x1", device_kinds=("TPU7x", "TPU v7", "TPU v7x"),
             vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
             mxu_size=256, bf16_sublanes=16, bf16_flops=1153e12, int8_ops=None, fp8_flops=2307e12,
-            hbm_bytes_per_s=3.7e12,
+            hbm_bytes_per_s=3.7e12, clock_hz=2.2e9,
+            clock_source="1153 TFLOP/s per core / (4 MXUs x 256x256 x 2 FLOP) = 2.2 GHz "
+                         "(derived, assumed)",
         ),
     )
 }

@@ -1,0 +1,108 @@
+"""What `llo_schedule.py` can compile by name: our kernels and the anchors at every named
+benchmark shape (benchmarks/shapes.py), plus a plain block matmul as the known reference.
+
+A target is `module:function`; the function is called in a fresh process as
+`function(generation, **args)` and compiles one program for that generation (libtpu then writes
+the dump). `resolve(impl, shape)` turns a benchmark row (`ours:<kernel>` or `anchor:<id>`, a named
+shape) into such a target.
+"""
+
+from __future__ import annotations
+
+# The op-name filter of each implementation's Mosaic kernel (the pallas_call's `name=`); None
+# dumps every kernel of the program (anchors whose kernels carry generated names).
+KERNEL_NAMES = {
+    "ours:ragged_dot": "ragged_dot_gmm",
+    "ours:flash_attention": "flash_attention_fwd",
+    "ours:paged_attention": "ragged_paged_attention",
+}
+
+
+def _shape(kind: str, name: str):
+    import shapes
+
+    for table in (shapes.NAMED, shapes.SMALL):
+        for s in table.get(kind, []):
+            if s.name == name:
+                return s
+    raise KeyError(f"no {kind} shape named {name!r}")
+
+
+def _kind_of(shape_name: str) -> str:
+    import shapes
+
+    for table in (shapes.NAMED, shapes.SMALL):
+        for kind, rows in table.items():
+            if any(s.name == shape_name for s in rows):
+                return kind
+    raise KeyError(f"no named shape {shape_name!r}")
+
+
+def compile_row(generation: str, impl: str, shape: str) -> None:
+    """Compile the benchmark row (impl, shape) for `generation`, as benchmarks/run.py does."""
+    import jax
+
+    import tpu_compile
+
+    kind = _kind_of(shape)
+    s = _shape(kind, shape)
+    if impl.startswith("ours"):
+        import ours
+
+        fn, avals = ours.ADAPTERS[kind].compile_args(s, generation)
+    else:
+        import run
+
+        fn, avals = run._anchor(kind, impl).compile_args(s)
+    with jax.default_device(tpu_compile.tpu_device(generation)):
+        tpu_compile.compile_for(generation, fn, *avals)
+
+
+def plain_matmul(generation: str, m: int = 2048, k: int = 4096, n: int = 1024,
+                 block: int = 512) -> None:
+    """A plain Pallas block matmul: one (block x K) @ (K x block) dot per grid step. Its schedule
+    is the reference for what 'MXU-bound' looks like (0.93 MXU occupancy on v6e)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    import tpu_compile
+
+    def body(a_ref, b_ref, o_ref):
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...],
+                             preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+    def mm(a, b):
+        return pl.pallas_call(
+            body, grid=(m // block, n // block),
+            in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
+                      pl.BlockSpec((k, block), lambda i, j: (0, j))],
+            out_specs=pl.BlockSpec((block, block), lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((m, n), a.dtype), name="plain_matmul")(a, b)
+
+    tpu_compile.compile_for(generation, mm, ((m, k), jnp.bfloat16), ((k, n), jnp.bfloat16))
+
+
+def resolve(impl: str, shape: str | None) -> tuple[str, dict, str | None]:
+    """(target, args, op-name filter) for a CLI request."""
+    if impl == "plain_matmul":
+        return "schedule_targets:plain_matmul", {}, "plain_matmul"
+    if shape is None:
+        raise ValueError(f"{impl} needs a named shape")
+    kind = _kind_of(shape)
+    full = f"ours:{kind}" if impl == "ours" else impl
+    return ("schedule_targets:compile_row", {"impl": full, "shape": shape},
+            KERNEL_NAMES.get(full))
+
+
+def describe() -> str:
+    import shapes
+
+    import run
+
+    lines = ["plain_matmul                 (no shape)"]
+    for kind, rows in shapes.NAMED.items():
+        impls = [f"ours:{kind}"] + [a.impl for a in run.ANCHORS.get(kind, [])]
+        lines.append(f"{kind}: implementations {', '.join(impls)}")
+        lines.append(f"  shapes: {', '.join(s.name for s in rows + shapes.SMALL.get(kind, []))}")
+    return "\n".join(lines)

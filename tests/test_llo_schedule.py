@@ -1,0 +1,147 @@
+"""The compiled-schedule reader (benchmarks/llo_schedule.py) and the scheduled-time model
+(benchmarks/schedule_model.py).
+
+The parser is checked on a hand-written dump whose loops, regions and slot counts are known; the
+compile tests run libtpu's real scheduler on kernels whose schedule is known in kind: a plain
+block matmul is MXU-bound with high MXU occupancy, its bundles grow linearly with the unrolled
+contraction, a predicated region is found and can be left out of a step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import llo_schedule as L  # noqa: E402
+import schedule_model as M  # noqa: E402
+
+# A grid loop (depth 1) holding a predicated region with an inner loop (depth 2): bundles 0-1
+# prologue, 2-9 grid loop body, 10 epilogue. Bundle 3 branches over region 7 (bundles 4-7);
+# bundles 5-6 are the inner loop; bundle 6 is an empty delay slot with no depth marker.
+_BUNDLES = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %s1 = smov 0 } /* Start region 1 */
+   0x1   :  { %s2 = smov 0 }
+   0x2 LB: > { %v3 = vld [vmem:[%s1] sm:$0xff] }
+   0x3   : > { %4 = sbr.rel (%p1) target = $region7 }
+   0x4   : > { %v5 = vmatmul.mubr.bf16.gmra.mxu0 %v3  ;;  %v6 = vadd.f32 %v3, %v3 }
+   0x5 LB: >> { %v7 = vmatmul.mubr.bf16.gmra.mxu0 %v3  ;;  %8 = dma.hbm_to_vmem [thread:$0]  (%p2),
+  /*hbm=*/%s9, /*size_in_granules=*/16 }
+   0x6   :  {}
+   0x7   : > { %v9 = vpop.f32.mrf.mxu0 } /* End region 6 */
+   0x8 PF: > { %v10 = vpow2.f32 %v9 } /* Start/End empty region 7 */
+   0x9   : > { %11 = sbr.rel (%p3) target = $region2 }
+   0xa   :  { %12 = vsyncpa [#allocation3], 0 }
+"""
+_UTIL = """== CAPACTIY:
+MXU, XLU, VALU, VPOP, EUP, VLOAD, VLOAD:FILL, VSTORE, VSTORE:SPILL, SALU
+    2     2     4     2     1     3     3     2     2     2
+== UTILIZATION:
+0 0 0 0 0 0 0 0 0 1
+0 0 0 0 0 0 0 0 0 1
+0 0 0 0 0 1 0 0 0 0
+0 0 0 0 0 0 0 0 0 1
+1 0 1 0 0 0 0 0 0 0
+1 0 0 0 0 0 0 0 0 0
+0 0 0 0 0 0 0 0 0 0
+0 0 0 1 0 0 0 0 0 0
+0 0 0 0 1 0 0 0 0 0
+0 0 0 0 0 0 0 0 0 1
+0 0 0 0 0 0 0 0 0 1
+"""
+
+
+def _synthetic() -> L.Schedule:
+    bundles = L.parse_bundles(_BUNDLES)
+    caps, util = L.parse_utilization(_UTIL)
+    return L.Schedule("synthetic", bundles, util, caps, "v6e")
+
+
+def test_parser_bundles_loops_and_slots():
+    s = _synthetic()
+    assert len(s.bundles) == 11
+    assert s.bundles[5].ops == ("vmatmul.mubr.bf16.gmra.mxu0", "dma.hbm_to_vmem")  # two lines
+    assert s.bundles[6].depth == 2  # the empty delay slot joins the loop before it
+    grid = s.grid_loop()
+    assert (grid.start, grid.end, grid.depth) == (2, 10, 1)
+    (inner,) = grid.children
+    assert (inner.start, inner.end, inner.depth) == (5, 7, 2)
+    assert grid.own_bundles == 6
+    seg = s.loop_segment(grid)
+    assert seg.mxu_pushes == 2 and seg.ops["vpow2"] == 1 and seg.ops["dma"] == 1
+    assert seg.slots["MXU"] == 2 and seg.occupancy("MXU") == pytest.approx(2 / (2 * 8))
+    assert s.hot_loop() is inner  # the innermost loop with MXU pushes
+    (region,) = s.regions()
+    assert (region.branch, region.start, region.end) == (3, 4, 8)
+    assert region.target_region == 7
+
+
+def test_step_bundles_follow_regions_and_trips():
+    s = _synthetic()
+    every = M.StepKind("all", 1)
+    assert M.step_bundles(s, every) == 8
+    # The inner loop runs 5 times: 4 more iterations of its 2 bundles.
+    assert M.step_bundles(s, M.StepKind("trips", 1, loop_trips={0: 5})) == 8 + 4 * 2
+    # Skipping the region skips the loop inside it too, whatever its trip count.
+    assert M.step_bundles(s, M.StepKind("skip", 1, regions=[], loop_trips={0: 5})) == 4
+    t = M.scheduled_time(s, [M.StepKind("a", 10), M.StepKind("b", 5, regions=[])],
+                         clock_hz=1e9, hbm_bytes_per_s=1e9)
+    outside = 11 - 8
+    assert t.seconds == pytest.approx((10 * 8 + 5 * 4 + outside) * 1e-9)
+    # A step whose bytes take longer than its bundles is DMA-bound.
+    t = M.scheduled_time(s, [M.StepKind("mem", 10, dma_bytes=1000)], 1e9, 1e9)
+    assert t.seconds == pytest.approx((10 * 1000 + outside) * 1e-9) and t.bound == "DMA"
+
+
+# ---- real schedules from libtpu ------------------------------------------------------------------
+
+
+def _matmul(generation="v6e", **kw):
+    (s,) = [x for x in L.dump_schedule("schedule_targets:plain_matmul", generation, kw,
+                                       name="plain_matmul") if x.is_mosaic]
+    return s
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(300)
+def test_plain_matmul_is_mxu_bound_and_linear_in_k():
+    small, mid, large = _matmul(k=1024), _matmul(k=2048), _matmul(k=4096)
+    hot = large.hot_loop()
+    assert hot is large.grid_loop()  # one straight-line dot per grid step
+    seg = large.loop_segment(hot)
+    assert seg.occupancy("MXU") >= 0.85 and seg.bound() == "MXU"
+    # The dot over K unrolls: 4x the contraction is 4x the MXU pushes, and every further K
+    # chunk costs the same bundles (linear growth on top of a fixed per-step part).
+    b1, b2, b4 = (s.grid_loop().bundles for s in (small, mid, large))
+    assert large.loop_segment(hot).mxu_pushes == 4 * small.loop_segment(small.hot_loop()).mxu_pushes
+    assert 1.8 <= (b4 - b2) / (b2 - b1) <= 2.2
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(300)
+def test_scheduled_time_linear_in_grid_steps():
+    a, b = _matmul(m=1024), _matmul(m=4096)
+    # The grid step's code does not depend on how many steps run...
+    assert abs(a.grid_loop().bundles - b.grid_loop().bundles) <= 0.02 * a.grid_loop().bundles
+    gen_clock, bw = 1.75e9, 1.638e12
+    steps_a, steps_b = (1024 // 512) * 2, (4096 // 512) * 2
+    ta = M.scheduled_time(a, [M.StepKind("step", steps_a)], gen_clock, bw)
+    tb = M.scheduled_time(b, [M.StepKind("step", steps_b)], gen_clock, bw)
+    # ...so the scheduled time grows with them (4x the steps, ~4x the time).
+    assert 3.8 <= tb.compute_seconds / ta.compute_seconds <= 4.2
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(300)
+def test_generation_units_and_capacity_differ():
+    v5e, v6e = _matmul("v5e", k=1024), _matmul("v6e", k=1024)
+    # v5e's MXUs are 128 wide, v6e's 256: the same dot takes more pushes on v5e.
+    assert v5e.loop_segment(v5e.hot_loop()).mxu_pushes > v6e.loop_segment(v6e.hot_loop()).mxu_pushes
+    assert v6e.capacity["MXU"] >= 1 and set(v6e.capacity) == set(L.UNITS)
