@@ -159,6 +159,7 @@ class Schedule:
         self.capacity, self.generation = capacity, generation
         self.loops = _loop_tree(bundles)
         self.is_mosaic = True  # parse_dump tells a Mosaic kernel from XLA's fusions
+        self.hbm_operand_bytes = 0  # bytes of the program's operands that live in HBM
 
     # -- statistics ---------------------------------------------------------------------------
     def segment(self, start: int = 0, end: int | None = None, exclude=()) -> Segment:
@@ -328,6 +329,25 @@ def parse_utilization(text: str) -> tuple[dict[str, int], list[list[int]]]:
     return dict(zip(names, caps)), rows
 
 
+_OPERAND = re.compile(r"inlined_call_operand\.(\w+)\s*\[shape:\s*(\w+)\[([\d,]*)\]")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+                "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f64": 8, "s64": 8}
+
+
+def hbm_operand_bytes(text: str) -> int:
+    """Bytes of a program's HBM operands (inputs and outputs), from its entry bundle: an XLA op
+    around a kernel reads and writes at least these, whatever its loops' trip counts."""
+    total = 0
+    for space, dt, dims in _OPERAND.findall(text.split("\n\n", 1)[-1][:100000]):
+        if space != "hbm":
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dt, 4)
+    return total
+
+
 def kernel_dumps(dump_dir: Path) -> dict[str, tuple[Path, Path | None]]:
     """Mosaic kernels in a dump folder: {op name: (final_bundles, utilization)}. XLA's own
     top-level programs (TLP, <late-...>) are left out."""
@@ -351,6 +371,7 @@ def parse_dump(dump_dir, name: str | None = None, generation: str | None = None)
         bundles = parse_bundles(bpath.read_text())
         caps, util = parse_utilization(upath.read_text()) if upath else ({}, [])
         sched = Schedule(op, bundles, util, caps, generation)
+        sched.hbm_operand_bytes = hbm_operand_bytes(bpath.read_text()[:200000])
         # XLA's own fusions around the kernel are dumped too; a Mosaic kernel's entry bundle
         # names the tpu custom call.
         sched.is_mosaic = "custom-call" in bpath.read_text()[:20000].split("entry bundle", 1)[-1][:400]

@@ -71,6 +71,12 @@ class ScheduledTime:
                 "bound": self.bound, "per_kind": self.per_kind}
 
 
+def xla_seconds(xla: Sequence[Schedule], clock_hz: float, hbm_bytes_per_s: float) -> float:
+    """XLA's own ops around a kernel (work-list builders, pads, casts): each at least its bundles
+    once and at least its HBM operands' bytes (their loops' trip counts are not in the dump)."""
+    return sum(max(len(x.bundles) / clock_hz, x.hbm_operand_bytes / hbm_bytes_per_s) for x in xla)
+
+
 def _region_bundles(sched: Schedule, r: Region, taken_children) -> int:
     """Bundles of region r when its children in `taken_children` (indices) run, the others not."""
     skipped = sum(c.bundles for i, c in enumerate(r.children)
@@ -117,7 +123,7 @@ def scheduled_time(sched: Schedule, kinds: Sequence[StepKind], clock_hz: float,
                    hbm_bytes_per_s: float, xla: Sequence[Schedule] = ()) -> ScheduledTime:
     grid = sched.grid_loop()
     outside = len(sched.bundles) - (grid.bundles if grid else len(sched.bundles))
-    fixed = outside / clock_hz + sum(len(x.bundles) for x in xla) / clock_hz
+    fixed = outside / clock_hz + xla_seconds(xla, clock_hz, hbm_bytes_per_s)
     compute = dma = total = 0.0
     per_kind = {}
     mem_bound_time = 0.0
@@ -137,3 +143,60 @@ def scheduled_time(sched: Schedule, kinds: Sequence[StepKind], clock_hz: float,
     unit = sched.loop_segment(hot, own=True).bound() if hot else "VALU"
     bound = "DMA" if mem_bound_time > 0.5 * total else unit
     return ScheduledTime(total + fixed, compute, dma, fixed, per_kind, bound)
+
+
+def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
+    for c in grid.children:
+        if c.start <= lp.start and lp.end <= c.end:
+            return c
+    return None
+
+
+def scheduled_from_work(sched: Schedule, *, mxu_flops: float, grid_steps: float,
+                        hbm_bytes: float, flops_per_hot_iteration: float, clock_hz: float,
+                        hbm_bytes_per_s: float, xla: Sequence[Schedule] = ()) -> ScheduledTime:
+    """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
+    counts are data-dependent (work lists, dynamic loop bounds).
+
+    The call's MXU work (`mxu_flops`, issued FLOPs from the kernel's closed form, which the tests
+    check against the TPU interpreter) is divided into hot-loop iterations of
+    `flops_per_hot_iteration` each (the compute tile one iteration multiplies, which the caller
+    knows from its tiling); each costs the hot loop's own bundles. Every grid step also pays the
+    grid loop's bundles outside the loop nest holding the hot loop (when the hot loop is the grid
+    loop itself, a step with no MXU work pays the bundles outside its MXU regions). The DMA term
+    overlaps per step with the average step's bundles.
+
+    Left out, and said so where used: loop levels between the grid and the hot loop (their own
+    per-iteration bundles), and the difference between masked edge tiles and interior tiles when
+    they compile to different loops (the hot loop is the one with the most MXU pushes).
+    """
+    grid = sched.grid_loop()
+    hot = sched.hot_loop()
+    if grid is None or hot is None:
+        raise ValueError(f"{sched.name}: no grid loop or no MXU work in the schedule")
+    iterations = mxu_flops / flops_per_hot_iteration if flops_per_hot_iteration else 0.0
+    if hot is grid:
+        mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
+        idle_step = grid.bundles - sum(r.bundles for r in mxu_regions)
+        busy = min(iterations, grid_steps)
+        compute_bundles = busy * grid.bundles + (grid_steps - busy) * idle_step
+        per_step_overhead = idle_step
+        hot_bundles = grid.bundles
+    else:
+        nest = _top_child_containing(grid, hot) or hot
+        per_step_overhead = grid.bundles - nest.bundles
+        hot_bundles = hot.own_bundles
+        compute_bundles = grid_steps * per_step_overhead + iterations * hot_bundles
+    outside = len(sched.bundles) - grid.bundles
+    fixed = outside / clock_hz + xla_seconds(xla, clock_hz, hbm_bytes_per_s)
+    t_c = compute_bundles / clock_hz
+    t_d = hbm_bytes / hbm_bytes_per_s
+    steps = max(grid_steps, 1.0)
+    # Per step max(compute, DMA) with the average step: memory-bound steps hide their bundles.
+    body = steps * max(t_c / steps, t_d / steps)
+    unit = sched.loop_segment(hot, own=True).bound()
+    bound = "DMA" if t_d > t_c else unit
+    per_kind = {"hot": {"iterations": round(iterations, 2), "bundles_per_iteration": hot_bundles,
+                        "per_step_overhead_bundles": per_step_overhead,
+                        "grid_steps": grid_steps}}
+    return ScheduledTime(body + fixed, t_c, t_d, fixed, per_kind, bound)

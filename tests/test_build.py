@@ -274,3 +274,120 @@ def test_publish_without_token_stops_before_any_operation(toy_repo, monkeypatch,
 def test_publish_refuses_an_unbuilt_dist(tmp_path):
     with pytest.raises(publish.PublishError, match="scripts/build.py"):
         publish.plan(tmp_path, config=toy_kernel.TOY_CONFIG)
+
+
+# --------------------------------------------------------------------------------- kernel cards
+
+
+def _results_row(kernel, shape, impl, per_generation):
+    return {"kernel": kernel, "shape": shape, "impl": impl, "label": f"label of {impl}",
+            "per_generation": per_generation}
+
+
+def test_cards_show_our_times_beside_the_anchors_from_results_json():
+    coll = collection.load_collection()
+    results = build.load_results(coll)
+    assert results is not None, "benchmarks/results/results.json is committed"
+    for entry in coll.kernels:
+        card = build.kernel_card(coll, entry)
+        rows = [r for r in results["named"]["rows"] if r["kernel"] == entry.key]
+        assert rows, entry.key
+        section = card.split("## Performance\n", 1)[1].split("\n## ", 1)[0]
+        assert "make bench" in section and "python benchmarks/run.py" in section
+        assert ("Scheduled, not measured on a TPU" in section
+                or "Not measured on a TPU" in section)
+        table = [line for line in section.splitlines() if line.startswith("| ")]
+        assert table[0] == "| shape | implementation | v5e | v6e | tpu7x |"
+        assert len(table) == 1 + len(rows)  # header + one line per implementation and shape
+        for row in rows:
+            cells = [build.perf_cell(row["per_generation"][g])[0] for g in ("v5e", "v6e", "tpu7x")]
+            if row["impl"] == "ours":
+                cells = [f"**{c}**" for c in cells]
+            assert f"| {row['label']} | " + " | ".join(cells) + " |" in section, row["shape"]
+
+
+def test_performance_cell_prefers_measured_then_scheduled_then_the_model():
+    base = {"modelled_us": 664.3, "compile": {"compiles": True}}
+    assert build.perf_cell(base) == ("≥ 664", "model")
+    sched = dict(base, scheduled={"scheduled_us": 1502.4, "hot_mxu_occupancy": 0.31,
+                                  "bound": "VALU"})
+    assert build.perf_cell(sched) == ("1,502 (MXU 31%, bound: VALU)", "scheduled")
+    as_percent = dict(base, scheduled={"scheduled_us": 80.0, "hot_mxu_occupancy": 31.0})
+    assert build.perf_cell(as_percent) == ("80.0 (MXU 31%)", "scheduled")
+    assert build.perf_cell(dict(sched, measured_us=1490.0)) == ("1,490 measured", "measured")
+    assert build.perf_cell({"modelled_us": 5.0, "compile": {"compiles": False}})[0] == "does not compile"
+    # a schedule without a time (compile dump failed, hot-loop work not modelled): the model stands
+    for broken in ({"error": "no dump"}, {"scheduled_us": None, "bound": "MXU"}):
+        assert build.perf_cell(dict(base, scheduled=broken)) == ("≥ 664", "model")
+    assert build.perf_cell(None) == ("n/a", "none")
+
+
+def test_performance_section_wording_follows_what_the_numbers_are():
+    model = {"modelled_us": 100.0}
+    sched = {"modelled_us": 100.0, "scheduled": {"scheduled_us": 250.0, "hot_mxu_occupancy": 0.5,
+                                                 "bound": "MXU"}}
+    only_model = {"named": {"rows": [_results_row("k", "s", "ours", {"v6e": model})]}}
+    text = build.performance_section("k", only_model)
+    assert "Not measured on a TPU" in text and "roofline model" in text
+    assert "Scheduled, not measured" not in text and "| v6e |" in text and "| v5e |" not in text
+    mixed = {"named": {"rows": [_results_row("k", "s", "anchor:a", {"v6e": model}),
+                                _results_row("k", "s", "ours", {"v6e": sched})]}}
+    text = build.performance_section("k", mixed)
+    assert "**Scheduled, not measured on a TPU**" in text and "≥ 100" in text
+    ours_line = text.index("| `s` | label of ours | **250 (MXU 50%, bound: MXU)** |")
+    assert ours_line < text.index("| label of anchor:a | ≥ 100 |")  # ours first
+    assert build.performance_section("other", mixed) == ""
+    assert build.performance_section("k", None) == ""
+
+
+def test_cards_with_results_are_byte_identical(tmp_path):
+    results = {"meta": {"jax": "0"}, "named": {"rows": [
+        _results_row("toy_scale", "tiny", "anchor:xla", {"v5e": {"modelled_us": 3.25}}),
+        _results_row("toy_scale", "tiny", "ours", {"v5e": {"modelled_us": 1.5, "scheduled": {
+            "scheduled_us": 2.0, "hot_mxu_occupancy": 0.9, "bound": "DMA"}}})]}}
+    repos = []
+    for name in ("a", "b"):
+        config = toy_kernel.copy_toy_collection(tmp_path / f"coll-{name}")
+        path = config.parent / build.RESULTS_JSON
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(results))
+        repos.append(toy_kernel.build_toy(tmp_path / f"dist-{name}", config))
+    card = (repos[0] / "README.md").read_bytes()
+    assert card == (repos[1] / "README.md").read_bytes()
+    assert "## Performance" in card.decode() and "**2.0 (MXU 90%, bound: DMA)**" in card.decode()
+
+
+def test_tested_with_entries_name_what_their_tests_run():
+    for key, entries in build.TESTED_WITH.items():
+        collection.load_collection().kernel(key)
+        for path, needle, _ in entries:
+            assert needle in (ROOT / path).read_text(), f"{path} no longer holds {needle!r}"
+        card = build.kernel_card(collection.load_collection(), collection.load_collection().kernel(key))
+        assert "## Tested with" in card
+
+
+def test_pinned_flash_models_match_the_installed_transformers():
+    """The card and README list the models whose class pins `_compatible_flash_implementations`."""
+    import transformers
+
+    models = Path(transformers.__file__).parent / "models"
+    pinning = {p.parent.name for p in models.glob("*/modeling_*.py")
+               if "_compatible_flash_implementations = " in p.read_text()}
+    assert pinning == set(build.PINNED_FLASH_MODELS)
+
+
+def test_flash_card_gives_the_registered_name_path_for_pinned_models():
+    import re
+
+    coll = collection.load_collection()
+    card = build.kernel_card(coll, coll.kernel("flash_attention"))
+    integration = (ROOT / "kernels" / "flash_attention" / "integration.py").read_text()
+    default_name = re.search(r'^DEFAULT_NAME = "([^"]+)"', integration, re.M).group(1)
+    assert "flash" not in default_name
+    assert f'name = kernel.register()   # "{default_name}"' in card
+    assert "attn_implementation=name" in card
+    for model in build.PINNED_FLASH_MODELS.values():
+        assert model in card
+    for entry in coll.kernels:
+        if entry.key != "flash_attention":
+            assert "_compatible_flash_implementations" not in build.kernel_card(coll, entry)

@@ -2,7 +2,9 @@
 models, our attention through the registered name and through
 attn_implementation="<org>/flash-attention-tpu" (Transformers' own Hub kernel loading, from the
 build's offline cache). Logits match sdpa (f32, 1e-4 relative) on padded batches, greedy
-generation is identical, and one training step's gradients match."""
+generation is identical, and one training step's gradients match. A tiny random GPT-OSS (random
+attention sinks, sliding-window and full layers), which pins its flash kernels, runs through the
+registered name against eager attention."""
 
 import pytest
 import torch
@@ -115,3 +117,63 @@ def test_hub_attn_implementation_from_pretrained(monkeypatch, tmp_path):
         monkeypatch.setattr(mfu, attr, counting)
     _check_logits_and_generate(ours, ref)
     assert calls["dense"] > 0 and calls["varlen"] > 0
+
+
+# ------------------------------------------------------------------------------------ GPT-OSS
+# GPT-OSS lists its flash kernels in `_compatible_flash_implementations`: Transformers replaces
+# any other flash implementation (Hub repos whose name says "flash" included) by that list's
+# first entry, so `attn_implementation="<org>/flash-attention-tpu"` never reaches our kernel.
+# The name register() returns does not say "flash" and is used as given, sinks included.
+
+
+def _gpt_oss(attn):
+    cfg = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,
+                                                          dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # sinks of the size a trained model has (init gives ~0.02: no effect)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) * 2)
+    return model
+
+
+def test_gpt_oss_pins_flash_kernels_but_not_the_registered_name():
+    from transformers.utils.generic import is_flash_attention_requested
+
+    pinned = transformers.GptOssForCausalLM._compatible_flash_implementations
+    assert pinned and kernel_loader.repo_id("flash_attention") not in pinned
+    assert is_flash_attention_requested(requested_attention_implementation=kernel_loader.repo_id(
+        "flash_attention"))  # so the repo id would be replaced by pinned[0]
+    assert isinstance(NAME, str) and not is_flash_attention_requested(
+        requested_attention_implementation=NAME)
+
+
+def test_gpt_oss_registered_name_matches_eager(monkeypatch):
+    ref = _gpt_oss("eager")
+    ours = _gpt_oss(NAME)
+    assert ours.config._attn_implementation == NAME  # not redirected to a pinned flash kernel
+    calls = []
+    for fn in ("flash_attn_func", "flash_attn_varlen_func"):
+        orig = getattr(fa.ops, fn)
+        monkeypatch.setattr(fa.ops, fn, lambda *a, _o=orig, **k: calls.append(k) or _o(*a, **k))
+    ids, mask = _batch()
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+        keep = mask.bool()
+        assert _rel(got[keep], want[keep]) < 1e-4
+        gen_kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, attention_mask=mask, **gen_kw),
+                           ref.generate(ids, attention_mask=mask, **gen_kw))
+        # the sinks matter here: without them eager's logits move far beyond the tolerance
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.zero_()
+        no_sinks = ref(ids, attention_mask=mask).logits
+        assert _rel(no_sinks[keep], want[keep]) > 1e-2
+    assert calls and all(k.get("s_aux") is not None for k in calls)
+    assert {k["window_size"] for k in calls} >= {(3, -1), (-1, -1)}  # sliding and full layers

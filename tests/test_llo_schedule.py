@@ -145,3 +145,36 @@ def test_generation_units_and_capacity_differ():
     # v5e's MXUs are 128 wide, v6e's 256: the same dot takes more pushes on v5e.
     assert v5e.loop_segment(v5e.hot_loop()).mxu_pushes > v6e.loop_segment(v6e.hot_loop()).mxu_pushes
     assert v6e.capacity["MXU"] >= 1 and set(v6e.capacity) == set(L.UNITS)
+
+
+# ---- the results never call a scheduled time measured ---------------------------------------------
+
+
+def test_results_say_scheduled_not_measured():
+    import json
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import run
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())
+    md = run.markdown(results)
+    # results.md is exactly what the generator writes from results.json (nothing hand-edited).
+    assert md == (ROOT / "benchmarks" / "results" / "results.md").read_text()
+    assert "scheduled, not measured on a TPU" in md
+    for line in md.splitlines():
+        if line.startswith("| shape |"):
+            for head in line.split("|"):
+                if "scheduled" in head:
+                    assert "measured" not in head.replace("scheduled", "")
+    # A scheduled entry lands in the scheduled column, never in a "measured" one.
+    row = next(r for r in results["named"]["rows"] if r["impl"] == "ours")
+    fake = json.loads(json.dumps(results))
+    for r in fake["named"]["rows"]:
+        for g in r["per_generation"].values():
+            g.pop("measured_us", None)
+            g["scheduled"] = {"scheduled_us": 123456.0, "hot_mxu_occupancy": 0.5, "bound": "MXU"}
+    md2 = run.markdown(fake)
+    assert "123456 (0.50, MXU)" in md2.replace("1.235e+05", "123456")
+    for line in md2.splitlines():
+        assert "measured 1.235e+05" not in line and "measured 123456" not in line
+    assert row["kernel"] in md2

@@ -1,0 +1,186 @@
+"""The compiled schedule of one benchmark row (implementation x named shape x generation).
+
+For each row `schedule_entry` compiles the call deviceless with libtpu's LLO dump on (one
+subprocess, llo_schedule.dump_schedule), reads the Mosaic kernel's hot loop (bundles, per-unit
+slot occupancy, the unit that bounds it) and the XLA ops around the kernel, and turns the row's
+closed-form work (issued MXU FLOPs, grid steps, HBM bytes; the same numbers the rest of the row
+shows) into a scheduled time with schedule_model.scheduled_from_work. That needs one number per
+implementation: the MXU FLOPs one hot-loop iteration does (`hot_iteration_flops`), which follows
+from the implementation's tiling.
+
+Entries are cached in results/schedule_cache.json under a key that includes a hash of the
+implementation's source (our kernel folder, or the jax version for the anchors), so a rerun
+compiles only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import llo_schedule
+import schedule_model
+import schedule_targets
+from tpu_generations import GENERATIONS
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / "results" / "schedule_cache.json"
+
+
+def _source_hash(impl: str, kind: str) -> str:
+    h = hashlib.sha256()
+    if impl == "ours":
+        for p in sorted((ROOT / "kernels" / kind).glob("*.py")):
+            h.update(p.name.encode() + p.read_bytes())
+        for p in sorted((ROOT / "torch-ext").glob("*.py")):
+            h.update(p.name.encode() + p.read_bytes())
+    else:
+        import jax
+
+        h.update(jax.__version__.encode())
+        h.update((HERE / "anchors.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict) -> float | None:
+    """MXU FLOPs of one iteration of the implementation's hot loop (its compute tile)."""
+    if impl.startswith("anchor:megablox"):
+        tm, tk, tn = info["tiling"]
+        return 2.0 * tm * min(tk, shape.k) * min(tn, shape.n)
+    if impl == "anchor:splash":
+        import anchors
+
+        b = min(anchors.SPLASH_BLOCK, shape.seq)
+        return 4.0 * b * b * shape.head_dim
+    if impl == "anchor:flash_attention":
+        import anchors
+
+        b = min(anchors.FLASH_BLOCK, shape.seq)
+        return 4.0 * b * b * shape.head_dim
+    if impl == "ours":
+        import ours
+
+        fn = getattr(ours.ADAPTERS[kind], "hot_iteration_flops", None)
+        return fn(shape, generation) if fn else None
+    return None  # ragged paged attention: trip counts not modelled (memory-bound decode)
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache: dict) -> None:
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    CACHE.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+
+
+def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
+                  use_cache: bool = True) -> dict:
+    """The compiled schedule's summary for a row: the Mosaic kernel(s) and the XLA ops."""
+    key = f"{kind}|{impl}|{shape_name}|{generation}|{_source_hash(impl, kind)}"
+    cache = _load_cache() if use_cache else {}
+    if key in cache:
+        return cache[key]
+    full = f"ours:{kind}" if impl == "ours" else impl
+    target, args, _ = schedule_targets.resolve(full, shape_name)
+    t0 = time.time()
+    try:
+        scheds = llo_schedule.dump_schedule(target, generation, args, name=None)
+    except Exception as e:  # a row that does not compile is a result, not a crash
+        entry = {"error": str(e).strip().splitlines()[-1][:240]}
+    else:
+        mosaic = [s for s in scheds if s.is_mosaic]
+        xla = [s for s in scheds if not s.is_mosaic]
+        want = schedule_targets.KERNEL_NAMES.get(full)
+        named = [s for s in mosaic if want and want in s.name] or mosaic
+        kernel = max(named, key=lambda s: len(s.bundles))
+        grid, hot = kernel.grid_loop(), kernel.hot_loop()
+        entry = {
+            "kernel": kernel.name,
+            "bundles": len(kernel.bundles),
+            "grid_step_bundles": grid.bundles if grid else None,
+            "hot": ({"depth": hot.depth, "is_grid_loop": hot is grid,
+                     **kernel.loop_segment(hot, own=True).as_dict()} if hot else None),
+            "other_mosaic_kernels": [s.name for s in mosaic if s is not kernel],
+            "xla_ops": len(xla),
+            "xla_bundles": sum(len(s.bundles) for s in xla),
+            "xla_hbm_operand_bytes": sum(s.hbm_operand_bytes for s in xla),
+            "compile_seconds": round(time.time() - t0, 1),
+        }
+        # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
+        # when the closed forms change without compiling again.
+        entry["_model"] = _model_inputs(kernel, xla)
+    if use_cache:
+        cache = _load_cache()
+        cache[key] = entry
+        _save_cache(cache)
+    return entry
+
+
+def _model_inputs(kernel, xla) -> dict:
+    grid, hot = kernel.grid_loop(), kernel.hot_loop()
+    out = {"outside_bundles": len(kernel.bundles) - (grid.bundles if grid else 0),
+           "xla": [[len(x.bundles), x.hbm_operand_bytes] for x in xla]}
+    if grid is None or hot is None:
+        return out
+    if hot is grid:
+        mxu_regions = [r for r in kernel.regions(grid) if kernel.region_segment(r).mxu_pushes]
+        out.update(hot_is_grid=True, step_bundles=grid.bundles,
+                   idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions))
+    else:
+        nest = schedule_model._top_child_containing(grid, hot) or hot
+        out.update(hot_is_grid=False, hot_bundles=hot.own_bundles,
+                   per_step_overhead_bundles=grid.bundles - nest.bundles)
+    return out
+
+
+def scheduled_us(model: dict, *, mxu_flops: float, grid_steps: float, hbm_bytes: float,
+                 flops_per_hot_iteration: float, generation: str) -> dict:
+    """schedule_model.scheduled_from_work on cached schedule numbers."""
+    gen = GENERATIONS[generation]
+    clock, bw = gen.clock_hz, gen.hbm_bytes_per_s
+    iterations = mxu_flops / flops_per_hot_iteration
+    if model.get("hot_is_grid"):
+        busy = min(iterations, grid_steps)
+        compute = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
+    else:
+        compute = grid_steps * model["per_step_overhead_bundles"] + iterations * model["hot_bundles"]
+    t_c, t_d = compute / clock, hbm_bytes / bw
+    xla = sum(max(b / clock, byt / bw) for b, byt in model["xla"])
+    fixed = model["outside_bundles"] / clock + xla
+    total = max(t_c, t_d) + fixed
+    return {"scheduled_us": round(total * 1e6, 3), "compute_us": round(t_c * 1e6, 3),
+            "dma_us": round(t_d * 1e6, 3), "fixed_us": round(fixed * 1e6, 3),
+            "xla_us": round(xla * 1e6, 3), "hot_iterations": round(iterations, 1),
+            "clock_hz": clock}
+
+
+def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dict,
+                   use_cache: bool = True) -> dict:
+    """The `scheduled` entry of a row's generation: compiled-schedule figures and, where the
+    implementation's hot-loop work is known, its scheduled time."""
+    s = read_schedule(kind, impl, shape.name, generation, use_cache)
+    if "error" in s:
+        return {"error": s["error"]}
+    out = {k: v for k, v in s.items() if not k.startswith("_")}
+    hot = s.get("hot") or {}
+    out["hot_mxu_occupancy"] = hot.get("occupancy", {}).get("MXU")
+    out["hot_bundles"] = hot.get("bundles")
+    flops = hot_iteration_flops(kind, impl, shape, generation, info)
+    if flops and s["_model"].get("hot_is_grid") is not None:
+        t = scheduled_us(s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,
+                         hbm_bytes=cost.hbm_bytes, flops_per_hot_iteration=flops,
+                         generation=generation)
+        out.update(t)
+        out["bound"] = "DMA" if t["dma_us"] > t["compute_us"] else hot.get("bound")
+    else:
+        out["scheduled_us"] = None
+        out["bound"] = hot.get("bound")
+        out["why_no_time"] = "hot-loop work per iteration not modelled for this implementation"
+    return out
