@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup nix-check demo test build bench publish publish-dry-run clean
 
-setup: $(VENV)/.installed .libtpu/.installed .torch-tpu-env/.installed nix-check
+setup: $(VENV)/.installed .libtpu/.installed .torch-tpu-env/.installed .tokamax/.installed nix-check
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ $(VENV)/.installed: requirements.txt
 .libtpu/.installed: $(VENV)/.installed
 	rm -rf .libtpu
 	$(PIP) install -q --disable-pip-version-check --no-deps --target .libtpu "libtpu==$(LIBTPU_VERSION)"
+	touch $@
+
+# tokamax (the anchor whose published TPU timings validate benchmarks/llo_schedule.py's model) lives
+# outside the venv like libtpu: benchmarks/validate_schedule.py imports its splash and ragged-dot
+# kernel modules from here. 0.0.12 is the newest on the index; its pure-python deps come along,
+# flax (qwix's) does not: the validator stubs qwix, which only the quantized paths use.
+TOKAMAX_VERSION := 0.0.12
+.tokamax/.installed: $(VENV)/.installed
+	rm -rf .tokamax
+	$(PIP) install -q --disable-pip-version-check --no-deps --target .tokamax \
+		"tokamax==$(TOKAMAX_VERSION)" einshape jaxtyping wadler-lindig "typeguard==2.13.3" \
+		immutabledict absl-py
 	touch $@
 
 # torch-tpu autoloads on `import torch` and, without a TPU, kills the process: it must never be in

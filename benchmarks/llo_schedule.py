@@ -201,7 +201,7 @@ class Schedule:
             if b.branch_to is None:
                 continue
             tgt = start_of.get(b.branch_to)
-            if tgt is None or tgt <= b.index or tgt > hi:
+            if tgt is None or tgt <= b.index + 1 or tgt > hi:
                 continue  # a back edge (loop) or a jump out of the loop
             flat.append(Region(b.index, b.index + 1, tgt, b.branch_to))
         flat.sort(key=lambda r: (r.start, -r.end))
@@ -330,7 +330,7 @@ def parse_utilization(text: str) -> tuple[dict[str, int], list[list[int]]]:
 
 
 _OPERAND = re.compile(r"inlined_call_operand\.(\w+)\s*\[shape:\s*(\w+)\[([\d,]*)\]")
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
                 "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f64": 8, "s64": 8}
 
 
@@ -344,7 +344,7 @@ def hbm_operand_bytes(text: str) -> int:
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        total += n * _DTYPE_BYTES.get(dt, 4)
+        total += n * DTYPE_BYTES.get(dt, 4)
     return total
 
 

@@ -93,7 +93,9 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
     try:
         scheds = llo_schedule.dump_schedule(target, generation, args, name=None)
     except Exception as e:  # a row that does not compile is a result, not a crash
-        entry = {"error": str(e).strip().splitlines()[-1][:240]}
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        entry = {"error": next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
+                               lines[-1] if lines else type(e).__name__).strip()[:240]}
     else:
         mosaic = [s for s in scheds if s.is_mosaic]
         xla = [s for s in scheds if not s.is_mosaic]
@@ -115,50 +117,12 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
         }
         # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
         # when the closed forms change without compiling again.
-        entry["_model"] = _model_inputs(kernel, xla)
+        entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
     if use_cache:
         cache = _load_cache()
         cache[key] = entry
         _save_cache(cache)
     return entry
-
-
-def _model_inputs(kernel, xla) -> dict:
-    grid, hot = kernel.grid_loop(), kernel.hot_loop()
-    out = {"outside_bundles": len(kernel.bundles) - (grid.bundles if grid else 0),
-           "xla": [[len(x.bundles), x.hbm_operand_bytes] for x in xla]}
-    if grid is None or hot is None:
-        return out
-    if hot is grid:
-        mxu_regions = [r for r in kernel.regions(grid) if kernel.region_segment(r).mxu_pushes]
-        out.update(hot_is_grid=True, step_bundles=grid.bundles,
-                   idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions))
-    else:
-        nest = schedule_model._top_child_containing(grid, hot) or hot
-        out.update(hot_is_grid=False, hot_bundles=hot.own_bundles,
-                   per_step_overhead_bundles=grid.bundles - nest.bundles)
-    return out
-
-
-def scheduled_us(model: dict, *, mxu_flops: float, grid_steps: float, hbm_bytes: float,
-                 flops_per_hot_iteration: float, generation: str) -> dict:
-    """schedule_model.scheduled_from_work on cached schedule numbers."""
-    gen = GENERATIONS[generation]
-    clock, bw = gen.clock_hz, gen.hbm_bytes_per_s
-    iterations = mxu_flops / flops_per_hot_iteration
-    if model.get("hot_is_grid"):
-        busy = min(iterations, grid_steps)
-        compute = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
-    else:
-        compute = grid_steps * model["per_step_overhead_bundles"] + iterations * model["hot_bundles"]
-    t_c, t_d = compute / clock, hbm_bytes / bw
-    xla = sum(max(b / clock, byt / bw) for b, byt in model["xla"])
-    fixed = model["outside_bundles"] / clock + xla
-    total = max(t_c, t_d) + fixed
-    return {"scheduled_us": round(total * 1e6, 3), "compute_us": round(t_c * 1e6, 3),
-            "dma_us": round(t_d * 1e6, 3), "fixed_us": round(fixed * 1e6, 3),
-            "xla_us": round(xla * 1e6, 3), "hot_iterations": round(iterations, 1),
-            "clock_hz": clock}
 
 
 def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dict,
@@ -174,11 +138,13 @@ def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dic
     out["hot_bundles"] = hot.get("bundles")
     flops = hot_iteration_flops(kind, impl, shape, generation, info)
     if flops and s["_model"].get("hot_is_grid") is not None:
-        t = scheduled_us(s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,
-                         hbm_bytes=cost.hbm_bytes, flops_per_hot_iteration=flops,
-                         generation=generation)
+        t = schedule_model.scheduled_from_work(
+            s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,
+            hbm_bytes=cost.hbm_bytes, flops_per_hot_iteration=flops,
+            generation=GENERATIONS[generation])
         out.update(t)
-        out["bound"] = "DMA" if t["dma_us"] > t["compute_us"] else hot.get("bound")
+        # The unit that bounds the call: DMA, the MXU floor, or the hot loop's fullest unit.
+        out["bound"] = hot.get("bound") if t["bound"] == "bundles" else t["bound"]
     else:
         out["scheduled_us"] = None
         out["bound"] = hot.get("bound")

@@ -123,6 +123,13 @@ NAMED = {
         *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
         # One projection alone (gate or up): the shape tokamax's published TPU timings cover.
         RaggedDotShape("mixtral_8x7b_gate_t4096", 4096, 8, 2, 4096, 14336),
+        # DeepSeek-V3-like experts: 256 experts, top-8, hidden 7168, expert intermediate 2048;
+        # one projection each way (gate or up: K=7168, N=2048; down: K=2048, N=7168), at a
+        # prefill batch and at a training batch.
+        RaggedDotShape("deepseek_v3_like_gate_t4096", 4096, 256, 8, 7168, 2048),
+        RaggedDotShape("deepseek_v3_like_down_t4096", 4096, 256, 8, 2048, 7168),
+        RaggedDotShape("deepseek_v3_like_gate_t16384", 16384, 256, 8, 7168, 2048),
+        RaggedDotShape("deepseek_v3_like_down_t16384", 16384, 256, 8, 2048, 7168),
     ],
     "flash_attention": [
         AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
@@ -134,6 +141,12 @@ NAMED = {
         AttentionShape("d256_causal_b2_8192", 2, 8, 8, 8192, 256),
         # Pre-training on packed sequences: 8 documents of 1024 tokens in each 8192-token row.
         AttentionShape("llama3_8b_packed8x1024_8192", 1, 32, 8, 8192, 128, documents=8),
+        # Diffusion transformers (non-causal): Flux.1-dev at 1024x1024 (4096 image + 512 text
+        # tokens attended jointly, 24 heads of 128) and a Wan2.1-1.3B-like video (81 frames at
+        # 480x832 are 21 x 30 x 52 = 32,760 tokens, 12 heads of 128; rounded to 32,768 so that
+        # the anchors, which need block multiples, run it too).
+        AttentionShape("flux_dev_joint4608", 1, 24, 24, 4608, 128, causal=False),
+        AttentionShape("wan_like_video_32768", 1, 12, 12, 32768, 128, causal=False),
     ],
     "paged_attention": [
         PagedShape("llama3_8b_decode_b64_ctx8192", tuple((1, 8192) for _ in range(64)), 32, 8, 128,
