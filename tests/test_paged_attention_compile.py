@@ -102,3 +102,79 @@ def test_cache_write_in_place_for_decode(generation):
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == SEQS * pages * 2 * HKV * page_size * D * 2
     assert mem.temp_size_in_bytes < 16 << 20
+
+
+def _compile_token_major(generation, page_size, tokens, *, write, seqs=SEQS, ctx=CTX):
+    """paged_attention_token_major at Llama-3-8B shapes, with the caches donated as a server's step
+    function would (the writer's outputs alias them)."""
+    import jax
+
+    pages = ctx // page_size
+    av = functools.partial(tpu_compile.tpu_aval, generation=generation)
+    cache = av((seqs * pages, page_size, HKV, D), jnp.bfloat16)
+    kw = {}
+    if write:
+        kw = dict(new_k=av((tokens, HKV, D), jnp.bfloat16), new_v=av((tokens, HKV, D), jnp.bfloat16))
+    fn = functools.partial(PA.kernel.paged_attention_token_major, generation=generation)
+    return jax.jit(fn, donate_argnums=(1, 2) if write else ()).trace(
+        av((tokens, HQ, D), jnp.bfloat16), cache, cache, av((seqs,), jnp.int32),
+        av((seqs, pages), jnp.int32), av((seqs + 1,), jnp.int32), av((1,), jnp.int32), **kw
+    ).lower().compile()
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("page_size,tokens", [(128, SEQS), (16, 2048 + SEQS - 1)],
+                         ids=["decode_page128", "mixed_2111_page16"])
+def test_token_major_write_and_attention_in_place(generation, page_size, tokens):
+    """Token-major caches read natively and the new tokens written by the Pallas writer in the same
+    call: both 2 GiB caches aliased to the outputs, no cache-sized temporary (decode and a
+    2111-token mixed batch alike), no copy or transpose of a cache in the compiled program."""
+    import re
+
+    compiled = _compile_token_major(generation, page_size, tokens, write=True)
+    mem = compiled.memory_analysis()
+    cache_bytes = SEQS * CTX * HKV * D * 2
+    assert mem.alias_size_in_bytes == 2 * cache_bytes
+    assert mem.temp_size_in_bytes < 64 << 20
+    pages = SEQS * CTX // page_size
+    for shape in re.findall(r"= bf16\[([\d,]+)\]\S* (?:copy|transpose)\(", compiled.as_text()):
+        assert int(shape.split(",")[0]) != pages, f"a cache is copied: bf16[{shape}]"
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
+    """The JAX body of the torch flash_attn_with_kvcache op at Llama-3-8B decode (64 x 8192, page
+    128): no head-major copy of the caches any more (temporaries far below one 1 GiB cache)."""
+    page_size = 128
+    pages = CTX // page_size
+    cache = ((SEQS * pages, page_size, HKV, D), jnp.bfloat16)
+    compiled = tpu_compile.compile_for(
+        generation, PA.ops._kvcache_jax, ((SEQS, 1, HQ, D), jnp.bfloat16), cache, cache,
+        ((SEQS,), jnp.int32), ((SEQS, pages), jnp.int32), causal=True,
+        static_argnames=("causal",))
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+
+
+@pytest.mark.parametrize("generation,qdtype", [("v5e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8")])
+def test_quantised_token_major_compiles(generation, qdtype):
+    """8-bit pages (word unpacking, e4m3 decode with integer ops), per-token and per-head scales,
+    sinks and the in-place write at Llama-3-8B decode (64 x 8192, page 128): the 8-bit caches
+    aliased, no cache-sized temporary."""
+    import jax
+
+    page_size, pages = 128, CTX // 128
+    cdt = jnp.int8 if qdtype == "int8" else jnp.float8_e4m3fn
+    av = functools.partial(tpu_compile.tpu_aval, generation=generation)
+    cache = av((SEQS * pages, page_size, HKV, D), cdt)
+    scale = av((SEQS * pages, HKV, page_size), jnp.float32)
+    fn = functools.partial(PA.kernel.paged_attention_token_major, generation=generation)
+    compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(
+        av((SEQS, HQ, D), jnp.bfloat16), cache, cache, av((SEQS,), jnp.int32),
+        av((SEQS, pages), jnp.int32), av((SEQS + 1,), jnp.int32), av((1,), jnp.int32),
+        new_k=av((SEQS, HKV, D), cdt), new_v=av((SEQS, HKV, D), cdt), k_scale=scale,
+        v_scale=scale, new_k_scale=av((SEQS, HKV), jnp.float32),
+        new_v_scale=av((SEQS, HKV), jnp.float32), k_head_scale=av((HKV,), jnp.float32),
+        v_head_scale=av((HKV,), jnp.float32), sinks=av((HQ,), jnp.float32)).lower().compile()
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes == 2 * SEQS * CTX * HKV * D
+    assert mem.temp_size_in_bytes < 64 << 20

@@ -84,17 +84,35 @@ def test_generate_batch_matches_generate(model_and_reference, monkeypatch):
 @pytest.mark.timeout(600)
 def test_generate_batch_block_table_path(model_and_reference, monkeypatch):
     """Transformers enables its block-table decode path only for flash attention on CUDA/XPU
-    (continuous_batching.initialization.ensure_decode_fast_path_is_available). With that gate
-    lifted, decode steps call our flash_attn_with_kvcache on Transformers' paged cache with its
-    page table, and the tokens still match."""
+    (continuous_batching.initialization.ensure_decode_fast_path_is_available).
+    `enable_block_table_decode()` lifts that gate for this package (and its undo restores it):
+    decode steps then call our flash_attn_with_kvcache on Transformers' paged cache with its page
+    table, and the tokens still match. Every cache view handed over is contiguous (dlpack shares
+    it with JAX: no per-step copy) and lies inside Transformers' one cache tensor."""
     from transformers.generation.continuous_batching import initialization
 
-    monkeypatch.setattr(initialization, "ensure_decode_fast_path_is_available",
-                        lambda config, cb_config, user_requested: None)
-    model, gc, want = model_and_reference
-    got, calls = _generate_batch(model, gc, monkeypatch)
+    original = initialization.ensure_decode_fast_path_is_available
+    undo = PA.integration.enable_block_table_decode()
+    views = []
+    orig_kvcache = PA.ops.kvcache_op
+
+    def recording(*a, **k):
+        views.extend(a[1:3])
+        return orig_kvcache(*a, **k)
+
+    monkeypatch.setattr(PA.ops, "kvcache_op", recording)
+    try:
+        assert initialization.ensure_decode_fast_path_is_available is not original
+        model, gc, want = model_and_reference
+        got, calls = _generate_batch(model, gc, monkeypatch)
+    finally:
+        undo()
+    assert initialization.ensure_decode_fast_path_is_available is original
     assert got == want
     assert calls["kvcache"] > 0, "the block-table path did not reach flash_attn_with_kvcache"
+    assert views and all(v.is_contiguous() for v in views)
+    bases = {v.untyped_storage().data_ptr() for v in views}
+    assert len(bases) == 1, "the page views should all live in Transformers' one cache tensor"
 
 
 @pytest.mark.timeout(600)

@@ -281,3 +281,317 @@ def test_tpu_interpret_out_of_bounds_page_raises():
             jax.block_until_ready(f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"]))
     finally:
         pltpu.reset_tpu_interpret_mode_state()
+
+
+# -------------------------------------------------------------------------------------------------
+# Token-major caches [num_blocks, block_size, Hkv, D] (flash-attn / vLLM / Transformers layout)
+# -------------------------------------------------------------------------------------------------
+
+
+def make_token_major(rng, q_lens, kv_lens, *, dtype=np.float32, num_slots=S, pages_per_seq=P,
+                     page_size=PS, tokens=T, hq=HQ, hkv=HKV, d=D):
+    """Token-major K and V caches holding every sequence's past keys (kv_len - q_len of them);
+    every other slot, the new tokens' slots included, is NaN (a missed write or a read of a
+    foreign slot shows). Also the new tokens' K/V [tokens, Hkv, D]."""
+    n = len(q_lens)
+    num_pages = num_slots * pages_per_seq + 3
+    kc = np.full((num_pages, page_size, hkv, d), np.nan, np.float32)
+    vc = kc.copy()
+    pt = rng.permutation(num_pages)[: num_slots * pages_per_seq].reshape(num_slots, pages_per_seq)
+    for s in range(n):
+        for pos in range(kv_lens[s] - q_lens[s]):
+            kc[pt[s, pos // page_size], pos % page_size] = rng.standard_normal((hkv, d))
+            vc[pt[s, pos // page_size], pos % page_size] = rng.standard_normal((hkv, d))
+    cu = np.zeros(num_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    kl = np.zeros(num_slots, np.int32)
+    kl[:n] = kv_lens
+    cast = lambda x: np.asarray(jax.numpy.asarray(x).astype(dtype))  # noqa: E731
+    return dict(q=cast(rng.standard_normal((tokens, hq, d))), k=cast(kc), v=cast(vc),
+                new_k=cast(rng.standard_normal((tokens, hkv, d))),
+                new_v=cast(rng.standard_normal((tokens, hkv, d))),
+                kv_lens=kl, pt=pt.astype(np.int32), cu=cu, ns=np.array([n], np.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_tm(sliding_window=None, soft_cap=None, config=None, interpret=True):
+    # The caches are donated: the writer's outputs alias them (in place on TPU).
+    return jax.jit(functools.partial(kernel.paged_attention_token_major,
+                                     sliding_window=sliding_window, soft_cap=soft_cap,
+                                     config=config, interpret=interpret), donate_argnums=(1, 2))
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint8).tobytes()
+
+
+def run_token_major(b, *, sliding_window=None, soft_cap=None, config=None, interpret=True,
+                    tol=2e-5):
+    """Write + attention in one call; the caches must equal the reference write bit for bit and
+    the output the f32 reference over the written caches."""
+    want_k = reference.write_kv_token_major_ref(b["k"], b["new_k"], b["kv_lens"], b["pt"], b["cu"],
+                                                b["ns"])
+    want_v = reference.write_kv_token_major_ref(b["v"], b["new_v"], b["kv_lens"], b["pt"], b["cu"],
+                                                b["ns"])
+    f = jitted_tm(sliding_window, soft_cap, config, interpret)
+    out, k2, v2 = f(b["q"], jax.numpy.asarray(b["k"]), jax.numpy.asarray(b["v"]), b["kv_lens"],
+                    b["pt"], b["cu"], b["ns"], new_k=b["new_k"], new_v=b["new_v"])
+    assert _bits(k2) == _bits(want_k) and _bits(v2) == _bits(want_v)
+    out = np.asarray(out.astype(np.float32))
+    ref = reference.paged_attention_token_major_ref(
+        b["q"], want_k, want_v, b["kv_lens"], b["pt"], b["cu"], b["ns"],
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    assert not out[int(b["cu"][-1]):].any()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=20, soft_cap=30.0)],
+                         ids=["plain", "window_softcap"])
+@settings(max_examples=6)
+@given(data=st.data())
+def test_token_major_matches_reference(kind, opts, data):
+    """Token-major caches, the new tokens written by the Pallas writer in the same call (bit-exact,
+    nothing else touched), attention against the f32 reference."""
+    q_lens, kv_lens, seed = data.draw(batches(kind))
+    run_token_major(make_token_major(np.random.default_rng(seed), q_lens, kv_lens), **opts)
+
+
+@settings(max_examples=6)
+@given(batch=batches("mixed"))
+def test_token_major_small_tiles_streamed_page_table(batch):
+    q_lens, kv_lens, seed = batch
+    cfg = tiling.PagedAttentionConfig(block_q=4, pages_per_block=2, stream_page_table=True)
+    run_token_major(make_token_major(np.random.default_rng(seed), q_lens, kv_lens), config=cfg,
+                    sliding_window=24)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_token_major_bf16_head_unpacking(hkv):
+    """bf16 pages are read as uint32 words holding two heads of one token (plain interpret mode runs
+    the same unpacking as Mosaic): every head count the kernel accepts, against the reference."""
+    b = make_token_major(np.random.default_rng(hkv), [5, 1, 16], [40, 64, 16],
+                         dtype=jax.numpy.bfloat16, hkv=hkv, hq=2 * hkv)
+    run_token_major(b, soft_cap=20.0, tol=3e-2)
+
+
+def test_token_major_rejects_unpackable_heads():
+    b = make_token_major(np.random.default_rng(0), [1], [3], dtype=jax.numpy.bfloat16, hkv=3,
+                         hq=3)
+    with pytest.raises(ValueError, match="even number of KV heads"):
+        kernel.paged_attention_token_major(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"],
+                                           b["ns"], interpret=True)
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", [
+    dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, stream=False, dtype="float32"),
+    dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, stream=True, dtype="bfloat16"),
+], ids=["mixed_f32", "window_streamed_bf16"])
+def test_token_major_tpu_interpret(case):
+    """TPU interpret mode (races, NaN-filled VMEM, raising out-of-bounds reads) over the whole call,
+    cache write included, counted by benchmarks/dma_counter: DMA count and bytes, BlockSpec bytes
+    and scalar-prefetch bytes equal tiling.traffic / estimate_cost exactly; the cache bytes moved
+    are only the pages read and the new rows written."""
+    import sys
+    from pathlib import Path
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import dma_counter
+
+    pltpu.reset_tpu_interpret_mode_state()
+    slots, pages, tokens, hq, hkv = 3, 3, 8, 4, 2
+    dtype = np.dtype(case["dtype"]) if case["dtype"] == "float32" else jax.numpy.bfloat16
+    b = make_token_major(np.random.default_rng(7), case["q_lens"], case["kv_lens"],
+                         num_slots=slots, pages_per_seq=pages, tokens=tokens, hq=hq, hkv=hkv,
+                         dtype=dtype)
+    cfg = tiling.PagedAttentionConfig(pages_per_block=1, stream_page_table=case["stream"],
+                                      block_q=4 if case["stream"] else None)
+    params = dma_counter.interpret_params(detect_races=True, dma_execution_mode="on_wait")
+    try:
+        with dma_counter.count_traffic(params) as t:
+            run_token_major(b, sliding_window=case["window"], config=cfg, interpret=False,
+                            tol=2e-5 if case["dtype"] == "float32" else 3e-2)
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+        assert not (ipc.races is not None and ipc.races.races_found)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    kw = dict(q_lens=case["q_lens"], kv_lens=case["kv_lens"], num_q_heads=hq, num_kv_heads=hkv,
+              head_dim=D, page_size=PS, pages_per_seq=pages, max_num_seqs=slots,
+              num_tokens=tokens, q_dtype=case["dtype"], kv_dtype=case["dtype"],
+              sliding_window=case["window"], token_major=True, write_new_kv=True, config=cfg)
+    tr = tiling.traffic(**kw)
+    assert t.calls == 2  # the writer and the attention kernel
+    assert t.dma_count == tr["kv_dmas"] + tr["pt_dmas"] + tr["write_dmas"]
+    assert t.dma_bytes == tr["kv_dma_bytes"] + tr["pt_dma_bytes"] + tr["write_bytes"] // 2
+    assert t.blockspec_read_bytes + t.blockspec_write_bytes == tr["qo_block_bytes"]
+    assert t.prefetch_bytes == tr["smem_bytes"] + tr["write_slot_bytes"]
+    assert t.hbm_bytes + t.prefetch_bytes == tiling.estimate_cost(**kw).hbm_bytes
+
+
+# -------------------------------------------------------------------------------------------------
+# Quantised token-major caches (int8, float8_e4m3fn) and attention sinks
+# -------------------------------------------------------------------------------------------------
+
+QPS = 128  # per-token scales need lane-aligned pages
+# Serving tolerances, as a fraction of the output's largest magnitude, against the f32 reference
+# over the *unquantised* K/V: int8 with per-token-per-head scales keeps ~2-3 significant digits,
+# e4m3 (3 mantissa bits) ~1.5. Against the f32 reference over the dequantised cache the kernel is
+# as exact as its bf16 probabilities (QUANT_KERNEL_TOL).
+QUANT_TOL = {"int8": 0.02, "fp8": 0.08}
+QUANT_KERNEL_TOL = 0.01
+
+
+def make_quantised(rng, q_lens, kv_lens, qdtype, *, hkv=4, hq=8, tokens=16, num_slots=3,
+                   pages_per_seq=2, head_scales=True):
+    """Token-major K/V of standard-normal values quantised per token and head (symmetric, absmax),
+    the per-token scales [nb, Hkv, bs], per-head static scales, the unquantised values and sinks."""
+    n = len(q_lens)
+    nb = num_slots * pages_per_seq + 2
+    x = rng.standard_normal((2, nb, QPS, hkv, D)).astype(np.float32)
+    qmax = 127.0 if qdtype == "int8" else 448.0
+    amax = np.maximum(np.abs(x).max(-1), 1e-6)
+    xq = x / (amax[..., None] / qmax)
+    if qdtype == "int8":
+        xq = np.clip(np.round(xq), -127, 127)
+    cdt = jax.numpy.int8 if qdtype == "int8" else jax.numpy.float8_e4m3fn
+    kq, vq = (np.asarray(jax.numpy.asarray(a).astype(cdt)) for a in xq)
+    tsc = (amax / qmax).transpose(0, 1, 3, 2).astype(np.float32)  # [2, nb, Hkv, bs]
+    hs = (rng.uniform(0.5, 2.0, (2, hkv)) if head_scales else np.ones((2, hkv))).astype(np.float32)
+    pt = rng.permutation(nb)[: num_slots * pages_per_seq].reshape(num_slots, pages_per_seq)
+    cu = np.zeros(num_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    kl = np.zeros(num_slots, np.int32)
+    kl[:n] = kv_lens
+    q = np.asarray(jax.numpy.asarray(rng.standard_normal((tokens, hq, D))).astype(
+        jax.numpy.bfloat16))
+    return dict(q=q, k=kq, v=vq, k_scale=tsc[0], v_scale=tsc[1], k_head=hs[0], v_head=hs[1],
+                x=x, kv_lens=kl, pt=pt.astype(np.int32), cu=cu, ns=np.array([n], np.int32),
+                sinks=rng.standard_normal(hq).astype(np.float32))
+
+
+def _check_quantised(b, qdtype, interpret, *, sliding_window=None):
+    f = jax.jit(functools.partial(kernel.paged_attention_token_major, interpret=interpret,
+                                  sliding_window=sliding_window))
+    out = f(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], k_scale=b["k_scale"],
+            v_scale=b["v_scale"], k_head_scale=b["k_head"], v_head_scale=b["v_head"],
+            sinks=b["sinks"])
+    assert out.dtype == jax.numpy.bfloat16
+    out = np.asarray(out.astype(np.float32))
+    live = int(b["cu"][-1])
+    args = (b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    kw = dict(sliding_window=sliding_window, sinks=b["sinks"])
+    q32 = b["q"].astype(np.float32)
+    deq = [reference.dequantize_token_major(b[n], b[n + "_scale"], b[n + "_head"]) for n in "kv"]
+    ref_deq = reference.paged_attention_token_major_ref(q32, *deq, *args, **kw)
+    raw = [reference.dequantize_token_major(b["x"][i], None, b[n + "_head"])
+           for i, n in enumerate("kv")]
+    ref_raw = reference.paged_attention_token_major_ref(q32, *raw, *args, **kw)
+    scale = np.abs(ref_raw[:live]).max()
+    assert np.isfinite(out).all() and not out[live:].any()
+    assert np.abs(out[:live] - ref_deq[:live]).max() <= QUANT_KERNEL_TOL * scale
+    assert np.abs(out[:live] - ref_raw[:live]).max() <= QUANT_TOL[qdtype] * scale
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@settings(max_examples=3, deadline=None)
+@given(batch=batches("mixed"), window=st.sampled_from([None, 100]))
+def test_quantised_caches_match_reference(qdtype, batch, window):
+    """8-bit pages dequantised in the kernel (plain interpret mode runs Mosaic's word unpacking),
+    per-token-per-head and per-head scales and sinks, against the f32 references (module-level
+    tolerances)."""
+    q_lens, kv_lens, seed = batch
+    kv_lens = [min(2 * QPS, k * 3) for k in kv_lens]
+    q_lens = [min(q, k, 5) for q, k in zip(q_lens, kv_lens)][:3]
+    kv_lens = kv_lens[:3]
+    b = make_quantised(np.random.default_rng(seed), q_lens, kv_lens, qdtype)
+    _check_quantised(b, qdtype, True, sliding_window=window)
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+def test_quantised_tpu_interpret_and_bytes(qdtype):
+    """TPU interpret mode (races, NaN VMEM, OOB) on 8-bit pages with per-token scales; the DMA
+    counter's bytes equal the closed form, and the KV bytes of the call are half of the same
+    batch's bf16 call (the scales add Hkv * 4 bytes per token and cache: +3% at D = 128)."""
+    import sys
+    from pathlib import Path
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import dma_counter
+
+    pltpu.reset_tpu_interpret_mode_state()
+    q_lens, kv_lens = [1, 3], [200, 77]
+    b = make_quantised(np.random.default_rng(5), q_lens, kv_lens, qdtype, tokens=8, num_slots=2)
+    params = dma_counter.interpret_params(detect_races=True, dma_execution_mode="on_wait")
+    try:
+        with dma_counter.count_traffic(params) as t:
+            _check_quantised(b, qdtype, False)
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+        assert not (ipc.races is not None and ipc.races.races_found)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    kw = dict(q_lens=q_lens, kv_lens=kv_lens, num_q_heads=8, num_kv_heads=4, head_dim=D,
+              page_size=QPS, pages_per_seq=2, max_num_seqs=2, num_tokens=8, q_dtype="bfloat16",
+              token_major=True)
+    kv_dtype = "int8" if qdtype == "int8" else jax.numpy.float8_e4m3fn
+    tr = tiling.traffic(kv_dtype=kv_dtype, token_scales=True, sinks=True, head_scales=True, **kw)
+    bf16 = tiling.traffic(kv_dtype="bfloat16", **kw)
+    assert t.dma_count == tr["kv_dmas"] + tr["scale_dmas"]
+    assert t.dma_bytes == tr["kv_dma_bytes"] + tr["scale_dma_bytes"]
+    assert t.blockspec_read_bytes + t.blockspec_write_bytes == (
+        tr["qo_block_bytes"] + tr["sink_bytes"] + tr["head_scale_bytes"])
+    assert t.hbm_bytes + t.prefetch_bytes == tiling.estimate_cost(
+        kv_dtype=kv_dtype, token_scales=True, sinks=True, head_scales=True, **kw).hbm_bytes
+    assert tr["kv_dma_bytes"] * 2 == bf16["kv_dma_bytes"]
+    assert tr["kv_dma_bytes"] + tr["scale_dma_bytes"] <= 0.55 * bf16["kv_dma_bytes"]
+
+
+def test_sinks_head_major_and_bf16_token_major():
+    """Sinks also in the head-major kernel and with bf16 token-major pages."""
+    rng = np.random.default_rng(2)
+    sinks = rng.standard_normal(HQ).astype(np.float32) * 2
+    b = make_batch(rng, [3, 1, 7], [33, 1, 7])
+    out = np.asarray(kernel.ragged_paged_attention(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"],
+                                                   b["ns"], sinks=sinks, interpret=True))
+    ref = reference.ragged_paged_attention_ref(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"],
+                                               b["ns"], sinks=sinks)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    t = make_token_major(rng, [3, 1], [33, 17], dtype=jax.numpy.bfloat16)
+    out = kernel.paged_attention_token_major(t["q"], t["k"], t["v"], t["kv_lens"], t["pt"], t["cu"],
+                                             t["ns"], sinks=sinks, interpret=True)
+    ref = reference.paged_attention_token_major_ref(t["q"], t["k"], t["v"], t["kv_lens"], t["pt"],
+                                                    t["cu"], t["ns"], sinks=sinks)
+    live = int(t["cu"][-1])
+    np.testing.assert_allclose(np.asarray(out.astype(np.float32))[:live], ref[:live], atol=3e-2,
+                               rtol=3e-2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k_scale=np.ones((8, 4, QPS - 1), np.float32)), r"k_scale: expected shape"),
+    (dict(k_head_scale=np.ones(3, np.float32)), r"k_head_scale: expected shape \(4,\)"),
+    (dict(sinks=np.ones(3, np.float32)), r"sinks: expected shape \(8,\)"),
+    (dict(k_scale=None), "together"),
+])
+def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch):
+    b = make_quantised(np.random.default_rng(0), [1], [3], "int8", num_slots=1, pages_per_seq=1)
+    kw = dict(k_scale=b["k_scale"], v_scale=b["v_scale"], k_head_scale=b["k_head"],
+              v_head_scale=b["v_head"], sinks=b["sinks"])
+    kw.update(bad)
+    monkeypatch.setattr(kernel.pl, "pallas_call", lambda *a, **k: pytest.fail("kernel ran"))
+    with pytest.raises(ValueError, match=match):
+        kernel.paged_attention_token_major(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"],
+                                           b["ns"], interpret=True, **kw)

@@ -228,3 +228,44 @@ def test_torch_op_in_tpu_interpret_mode(tpu_interpret):
     want = ref.ragged_paged_attention_ref(q.numpy(), want_cache, kl.numpy(), pt.numpy(),
                                           cu.numpy(), ns.numpy())
     np.testing.assert_allclose(out.numpy(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_flash_attn_with_kvcache_on_transformers_page_views():
+    """Transformers' continuous-batching cache hands flash_attn_with_kvcache per-layer page views:
+    contiguous slices, at an offset, of one tensor holding every layer's K and V. They cross to JAX
+    by dlpack with no copy (same address), the kernel reads them token-major in place (no
+    head-major copy any more), and the new tokens land in the shared tensor."""
+    from jax_bridge import to_jax
+
+    g = torch.Generator().manual_seed(3)
+    bs, layers, nb = 16, 2, 10
+    flat = torch.randn(nb * 2 * layers * bs, HKV, D, generator=g)  # [tokens * 2 * layers, Hkv, D]
+    page_shape = (-1, bs, HKV, D)
+    k_pages = flat[2 * bs:].view(*page_shape)[: nb * 2 * layers - 3]  # layer 1's K view
+    v_pages = flat[3 * bs:].view(*page_shape)[: nb * 2 * layers - 3]
+    assert k_pages.is_contiguous() and k_pages.storage_offset() > 0
+    assert to_jax(k_pages).unsafe_buffer_pointer() == k_pages.data_ptr()
+    B, new = 2, 1
+    block_table = torch.tensor([[0, 4, 8], [12, 16, 20]], dtype=torch.int32)
+    cache_seqlens = torch.tensor([20, 33], dtype=torch.int32)
+    q = torch.randn(B, new, HQ, D, generator=g)
+    k = torch.randn(B, new, HKV, D, generator=g)
+    v = torch.randn(B, new, HKV, D, generator=g)
+    before = flat.clone()
+    out = PA.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=cache_seqlens,
+                                     block_table=block_table, causal=True)
+    changed = (flat != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    want_rows = []
+    for b in range(B):
+        pos = int(cache_seqlens[b])
+        page, row = int(block_table[b, pos // bs]), pos % bs
+        want_rows += [2 * bs + page * bs + row, 3 * bs + page * bs + row]
+        assert torch.equal(k_pages[page, row], k[b, 0]) and torch.equal(v_pages[page, row], v[b, 0])
+    assert sorted(changed) == sorted(want_rows)
+    for b in range(B):
+        L = int(cache_seqlens[b]) + new
+        pos = torch.arange(L)
+        page, row = block_table[b][pos // bs].long(), pos % bs
+        want = _dense_ref(q[b].numpy(), k_pages[page, row].numpy(), v_pages[page, row].numpy(),
+                          causal=True)
+        np.testing.assert_allclose(out[b].numpy(), want, atol=2e-5, rtol=2e-5)

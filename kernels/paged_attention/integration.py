@@ -18,12 +18,21 @@ So generate_batch loads this package as a Hub kernel:
 local build). Transformers then calls our `flash_attn_varlen_func` on the gathered K/V (the paged
 kernel over K/V scattered into 16-token pages: one extra copy of the gathered K/V per layer), and,
 where the block-table path is on, our `flash_attn_with_kvcache` with Transformers' page table
-(tested on CPU with the device gate lifted: same greedy tokens). What is missing for the direct
-page-table path on TPU is in Transformers: the device gate, a block-table path for prefill /
-mixed batches, and a head-major cache layout (its pages are [blocks, block_size, kv_heads, D], so
-flash_attn_with_kvcache gives the kernel a head-major copy of the caches on every call).
+(tested on CPU with the device gate lifted: same greedy tokens). On that path the kernel reads
+Transformers' token-major pages ([blocks, block_size, kv_heads, D], per-layer contiguous views at
+an offset into one tensor) in place: dlpack hands them to JAX without a copy and no relayout is
+made. What is missing for the direct page-table path on TPU is in Transformers: the device gate
+(`ensure_decode_fast_path_is_available` accepting TPU / any kernel with a `flash_attn_with_kvcache`),
+and a block-table path for prefill / mixed batches (today those steps gather K/V through
+`read_index` and call `flash_attn_varlen_func`).
 
 `register()` covers plain forward / `generate` under ATTN_IMPLEMENTATION (unpadded batches).
+`enable_block_table_decode()` is the smallest patch that lifts Transformers' device gate for this
+package only (removable: it returns the undo): generate_batch's decode steps then call our
+`flash_attn_with_kvcache` on Transformers' own pages and page table, on TPU and on CPU. Upstream
+change that makes it unnecessary: in `ensure_decode_fast_path_is_available`, accept any attention
+implementation whose loaded kernel provides `flash_attn_with_kvcache` (Hub kernels included),
+whatever the device, instead of flash-attn 2/3 on CUDA or XPU only.
 """
 
 from __future__ import annotations
@@ -87,4 +96,33 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
     return name
 
 
-__all__ = ["register", "attention_forward", "ATTN_IMPLEMENTATION", "HUB_ATTN_IMPLEMENTATION"]
+def enable_block_table_decode():
+    """Let Transformers' continuous batching take its block-table decode path with this kernel on
+    any device (TPU, and CPU for tests): wraps
+    `continuous_batching.initialization.ensure_decode_fast_path_is_available` so that, for a model
+    whose attention implementation is HUB_ATTN_IMPLEMENTATION, only Transformers' own check that
+    every attention type supports block tables runs (not the CUDA/XPU device check); any other
+    model goes to the original function. Returns a function that removes the patch."""
+    from transformers.generation.continuous_batching import initialization
+
+    original = initialization.ensure_decode_fast_path_is_available
+
+    def ensure_decode_fast_path_is_available(config, cb_config, user_requested):
+        if getattr(config, "_attn_implementation", None) != HUB_ATTN_IMPLEMENTATION:
+            return original(config, cb_config, user_requested)
+        supported = all(
+            initialization.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table
+            for t in initialization.group_layers_by_attn_type(config))
+        if not supported:
+            cb_config.max_blocks_per_request = 0
+
+    initialization.ensure_decode_fast_path_is_available = ensure_decode_fast_path_is_available
+
+    def undo():
+        initialization.ensure_decode_fast_path_is_available = original
+
+    return undo
+
+
+__all__ = ["register", "attention_forward", "enable_block_table_decode", "ATTN_IMPLEMENTATION",
+           "HUB_ATTN_IMPLEMENTATION"]

@@ -33,6 +33,22 @@ stays in HBM and each item's row is DMA'd into a two-row SMEM buffer two items a
 
 Decode. An item whose sequence occupies only a 16-row aligned slice of the q block (one decode
 token of G <= 16 heads) takes a narrow path that computes only those rows.
+
+Token-major caches (`paged_attention_token_major`). flash-attn, vLLM and Transformers keep K and V
+pages as [num_blocks, block_size, Hkv, D]. Merging the last three dims of a page is free (a
+bitcast), so the kernel sees [num_blocks, block_size * Hkv, D] with row t * Hkv + h, copies a page
+(or a partial page's valid tokens, in whole sublane tiles) with one DMA into a flat VMEM slot, and
+reads head h's keys as the rows h, h + Hkv, ... of the slot: a sublane-strided load. Mosaic has
+strided loads for 32-bit data only, so 16-bit slots are loaded as uint32 words (two heads of one
+token per word; bf16 widens to f32 by a shift) and 8-bit slots as words of four heads (a shift and
+mask per head; int8 by sign extension, e4m3 decoded with integer ops). The rest of the schedule
+is the head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
+in the same call: one DMA per token and cache moves the token's contiguous [Hkv, D] row into its
+page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
+([num_blocks, Hkv, block_size], one lane-aligned row per page, DMA'd with the page) that multiply
+the scores (K) and the probabilities (V), and/or per-head scales (SMEM); the MXU sees the 8-bit
+values exactly widened to bf16. Attention sinks start each row's running max at its sink logit
+and its denominator at 1.
 """
 
 from __future__ import annotations
@@ -106,6 +122,57 @@ def build_work_list(kv_lens, cu_q_lens, num_seqs, *, block_q: int, num_q_blocks:
     return work, total.astype(jnp.int32)
 
 
+def _token_major_head(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool, words: dict,
+                      arr: int):
+    """Keys (or values) of KV head h from a token-major VMEM slot [slots, kv_tok * hkv, D] (row
+    t * hkv + h): a sublane-strided load. Mosaic has strided loads for 32-bit data only, so a
+    16-bit buffer is read as uint32 words (each holds rows 2i and 2i+1, i.e. heads h and h^1 of one
+    token, low half = even row) and the head's half is moved to the top of an f32 word, which is
+    exactly the bf16 value widened. `words` keeps the loaded words so the second head of a pair
+    does not load them again. Without `unpack_u32` (TPU interpret mode, which has no ref bitcast)
+    the 16-bit rows are loaded with a stride directly."""
+    if buf.dtype.itemsize == 1:
+        return _token_major_head_8bit(buf, slot, h, hkv, kv_tok, unpack_u32, words, arr)
+    if hkv == 1:
+        return buf[slot]
+    if buf.dtype.itemsize == 4 or not unpack_u32:
+        return buf[slot, pl.ds(h, kv_tok, stride=hkv), :]
+    key = (arr, h // 2)
+    if key not in words:
+        words[key] = buf.bitcast(jnp.uint32)[slot, pl.ds(h // 2, kv_tok, stride=hkv // 2), :]
+    w = words[key]
+    top = (w << 16) if h % 2 == 0 else (w & jnp.uint32(0xFFFF0000))
+    return pltpu.bitcast(top, jnp.float32).astype(buf.dtype)
+
+
+def _token_major_head_8bit(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool,
+                           words: dict, arr: int):
+    """KV head h of an int8 / float8_e4m3fn token-major slot as bfloat16 (exact: 8-bit integers and
+    e4m3 values have at most 8 significant bits). A uint32 word holds heads 4j..4j+3 of one token
+    (byte k = row 4i + k), so the head's rows are a strided word load and a byte extract. e4m3 is
+    decoded with integer ops (no 8-bit float unit on v5e): a normal value's exponent and mantissa
+    bits moved to f32's place with the bias difference (127 - 7) added; subnormals (exponent 0)
+    are mantissa * 2**-9. Without `unpack_u32` (TPU interpret mode) a direct strided load."""
+    if not unpack_u32:
+        x = buf[slot] if hkv == 1 else buf[slot, pl.ds(h, kv_tok, stride=hkv), :]
+        return x.astype(jnp.float32).astype(jnp.bfloat16)
+    key = (arr, h // 4)
+    if key not in words:
+        words[key] = buf.bitcast(jnp.uint32)[slot, pl.ds(h // 4, kv_tok, stride=hkv // 4), :]
+    w = words[key]
+    shift = 8 * (h % 4)
+    if buf.dtype == jnp.int8:
+        x = pltpu.bitcast(w << (24 - shift), jnp.int32) >> 24
+        return x.astype(jnp.float32).astype(jnp.bfloat16)
+    b = (w >> shift) & jnp.uint32(0xFF)
+    em = b & jnp.uint32(0x7F)
+    normal = pltpu.bitcast((em << 20) + jnp.uint32(120 << 23), jnp.float32)
+    sub = pltpu.bitcast(em, jnp.int32).astype(jnp.float32) * (2.0 ** -9)
+    x = jnp.where(em >= 8, normal, sub)
+    x = jnp.where((b & jnp.uint32(0x80)) != 0, -x, x)
+    return x.astype(jnp.bfloat16)
+
+
 def _paged_kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref,
@@ -114,23 +181,38 @@ def _paged_kernel(
     n_arr: int, num_kv_heads: int, head_dim: int, group: int, block_q: int, page_size: int,
     pages_per_block: int, pages_per_seq: int, max_items: int, narrow: int, sm_scale: float,
     soft_cap: float | None, sliding_window: int | None, causal: bool, stream_pt: bool,
+    token_major: bool = False, unpack_u32: bool = False, quant: str | None = None,
+    token_scales: bool = False, static_scales: bool = False, sinks: bool = False,
 ):
     q_ref = refs[0]
     caches = refs[1:1 + n_arr]
     refs = refs[1 + n_arr:]
+    if token_scales:  # per-token-per-head scales in HBM: K and V, [num_blocks, Hkv, block_size]
+        scale_hbm, refs = refs[:2], refs[2:]
+    if static_scales:  # per-head scales in SMEM: [2, Hkv] (K row, V row)
+        static_ref, refs = refs[0], refs[1:]
+    if sinks:  # [Hkv, rows, 1] f32: each q row's sink logit
+        sink_ref, refs = refs[0], refs[1:]
     if stream_pt:  # the page table stays in HBM: [S, 1, pages_per_seq]
         pt_hbm, refs = refs[0], refs[1:]
     o_ref = refs[0]
     bufs = refs[1:1 + n_arr]
-    sem = refs[1 + n_arr]
-    refs = refs[2 + n_arr:]
+    refs = refs[1 + n_arr:]
+    if token_scales:  # VMEM slots of the items' scales: [2, Hkv, pages * block_size] each
+        scale_bufs, refs = refs[:2], refs[2:]
+    sem = refs[0]
+    refs = refs[1:]
     if stream_pt:  # SMEM copies of two items' page-table rows, and their semaphores
         ids_ref, ids_sem, refs = refs[0], refs[1], refs[2:]
     m_ref, l_ref, acc_ref = refs
     rows = block_q * group
     kv_tok = pages_per_block * page_size
-    row_tile = tiling.row_tile(bufs[0].dtype)
-    chunk_sizes = tiling.partial_page_chunks(page_size, bufs[0].dtype)
+    # Partial pages are copied in multiples of `copy_tile` tokens: the sublane tile (head-major),
+    # or the fewest tokens whose (token, head) rows fill whole sublane tiles (token-major).
+    copy_tile = tiling.copy_tile(bufs[0].dtype, num_kv_heads, token_major)
+    chunk_sizes = tiling.partial_page_chunks(page_size, bufs[0].dtype, tile=copy_tile)
+    # Token-major: one page is page_size * Hkv rows of the flat [rows, D] buffer (row t * Hkv + h).
+    page_rows = page_size * num_kv_heads
 
     i = pl.program_id(0)
     nitems = nitems_ref[0]
@@ -144,16 +226,28 @@ def _paged_kernel(
         slot = lax.rem(j, 2)
         return pltpu.make_async_copy(pt_hbm.at[seq], ids_ref.at[slot], ids_sem.at[slot])
 
+    def page_of(j, p):
+        if stream_pt:
+            return ids_ref[lax.rem(j, 2), 0, field(2, j) + p]
+        seq = jnp.maximum(field(1, j), 0)
+        return pt_ref[seq * pages_per_seq + field(2, j) + p]
+
     def copies(j, slot, p, rows=None, start=True):
         """DMAs of page p of item j into `slot` (rows=(offset, size): only those rows). A wait
         needs only the semaphore and the shape, so waits use page 0 and never read the table."""
-        if not start:
-            page = 0
-        elif stream_pt:
-            page = ids_ref[lax.rem(j, 2), 0, field(2, j) + p]
-        else:
-            seq = jnp.maximum(field(1, j), 0)
-            page = pt_ref[seq * pages_per_seq + field(2, j) + p]
+        page = page_of(j, p) if start else 0
+        if token_major:
+            if rows is None:
+                src = [caches[a].at[page] for a in range(n_arr)]
+                dst = [bufs[a].at[slot, pl.ds(p * page_rows, page_rows)] for a in range(n_arr)]
+            else:
+                off, size = rows
+                r0 = pl.multiple_of(off * num_kv_heads, tiling.row_tile(bufs[0].dtype))
+                src = [caches[a].at[page, pl.ds(r0, size * num_kv_heads)] for a in range(n_arr)]
+                dst = [bufs[a].at[slot, pl.ds(p * page_rows + r0, size * num_kv_heads)]
+                       for a in range(n_arr)]
+            return [pltpu.make_async_copy(x, y, sem.at[slot, a])
+                    for a, (x, y) in enumerate(zip(src, dst))]
         if rows is None:
             return [pltpu.make_async_copy(caches[a].at[page], bufs[a].at[slot, p], sem.at[slot, a])
                     for a in range(n_arr)]
@@ -161,6 +255,12 @@ def _paged_kernel(
         return [pltpu.make_async_copy(caches[a].at[page, :, pl.ds(off, size)],
                                       bufs[a].at[slot, p, :, pl.ds(off, size)], sem.at[slot, a])
                 for a in range(n_arr)]
+
+    def scale_copies(j, slot, p, start=True):
+        page = page_of(j, p) if start else 0
+        return [pltpu.make_async_copy(scale_hbm[a].at[page],
+                                      scale_bufs[a].at[slot, :, pl.ds(p * page_size, page_size)],
+                                      sem.at[slot, n_arr + a]) for a in range(2)]
 
     def fetch(j, slot, start: bool):
         """Start (or wait for) the copies of item j's pages. Full pages are one DMA each; the
@@ -170,7 +270,7 @@ def _paged_kernel(
         seq = jnp.maximum(field(1, j), 0)
         last_p = npages - 1
         last_rows = kv_lens_ref[seq] - (field(2, j) + last_p) * page_size
-        rows_up = lax.div(last_rows + row_tile - 1, row_tile) * row_tile
+        rows_up = lax.div(last_rows + copy_tile - 1, copy_tile) * copy_tile
         partial = (rows_up < page_size) if chunk_sizes else jnp.bool_(False)
         n_full = npages - partial.astype(jnp.int32)
 
@@ -183,10 +283,17 @@ def _paged_kernel(
             def _():
                 go(copies(j, slot, p, start=start))
 
+            if token_scales:
+                # A page's scales are one [Hkv, block_size] tile row: copied whole, lane-aligned
+                # (block_size is a multiple of 128).
+                @pl.when(p < npages)
+                def _():
+                    go(scale_copies(j, slot, p, start=start))
+
         for size in chunk_sizes:
             @pl.when((npages > 0) & partial & (lax.rem(lax.div(rows_up, size), 2) == 1))
             def _():
-                off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), row_tile)
+                off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
                 go(copies(j, slot, last_p, (off, size), start=start))
 
     if stream_pt:
@@ -224,8 +331,14 @@ def _paged_kernel(
 
     @pl.when(first_of_block)
     def _():
-        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if sinks:
+            # The sink is one more score per query row whose value contributes nothing: start the
+            # running max at it and the denominator at exp(sink - sink) = 1.
+            m_ref[...] = sink_ref[...]
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     seq = jnp.maximum(field(1, i), 0)
@@ -254,18 +367,29 @@ def _paged_kernel(
         v_ok = (jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < npages * page_size) & (
             first_page * page_size
             + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < kv_len)
+        words = {}
         for h in range(num_kv_heads):
-            if n_arr == 1:
-                k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
+            if token_major:
+                k = _token_major_head(bufs[0], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 0)
+                v = _token_major_head(bufs[1], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 1)
             else:
-                k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
-            # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
-            # sublane tile, so this merge is free.
-            k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
-            v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
+                if n_arr == 1:
+                    k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
+                else:
+                    k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
+                # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
+                # sublane tile, so this merge is free.
+                k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
+                v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
             q = q_ref[h, pl.ds(r0, nr), :]
+            if quant is not None:
+                q = q.astype(k.dtype)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * sm_scale
+            if static_scales:
+                s = s * static_ref[0, h]
+            if token_scales:
+                s = s * scale_bufs[0][slot, pl.ds(h, 1), :]  # [1, kv_tok]: one scale per key
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask, s, NEG)
@@ -277,10 +401,16 @@ def _paged_kernel(
             # Pages past kv_len, and page slots this item did not fill, may hold anything (NaN in
             # TPU interpret mode): zero them so that 0 * garbage cannot reach the accumulator.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            if token_scales:
+                # V's per-key scales fold into the probabilities (masked: stale slots hold NaN).
+                p = jnp.where(mask, p * scale_bufs[1][slot, pl.ds(h, 1), :], 0.0)
             pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
+            if static_scales:
+                pv = pv * static_ref[1, h]
             m_ref[h, pl.ds(r0, nr), :] = m_new
-            l_ref[h, pl.ds(r0, nr), :] = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            l_ref[h, pl.ds(r0, nr), :] = l_new
             acc_ref[h, pl.ds(r0, nr), :] = alpha * acc_ref[h, pl.ds(r0, nr), :] + pv
 
     active = (i < nitems) & (npages > 0)
@@ -312,6 +442,30 @@ def _paged_kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
+def token_major_supported(kv_dtype, num_kv_heads: int, page_size: int | None = None) -> bool:
+    """Whether the token-major kernel can unpack one KV head's rows of this cache: 32-bit caches,
+    one KV head, bfloat16 with an even number of KV heads (two heads per 32-bit word), or int8 /
+    float8_e4m3fn with a multiple of 4 (four heads per word); and a page's rows (page_size * Hkv)
+    must fill whole sublane tiles, as pages sit back to back in the flat VMEM slot."""
+    size = jnp.dtype(kv_dtype).itemsize
+    if page_size is not None and (page_size * num_kv_heads) % tiling.row_tile(kv_dtype):
+        return False
+    if size == 1:
+        return num_kv_heads % 4 == 0
+    return num_kv_heads == 1 or size == 4 or (jnp.dtype(kv_dtype) == jnp.bfloat16
+                                               and num_kv_heads % 2 == 0)
+
+
+def _tpu_interpret_mode(interpret) -> bool:
+    """Whether this pallas_call will run in TPU interpret mode (passed, or forced by
+    pltpu.force_tpu_interpret_mode, as the DMA counter does)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return True
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -328,8 +482,9 @@ def ragged_paged_attention(
     config: PagedAttentionConfig | None = None,
     generation: str | None = None,
     interpret=False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention of packed queries over a paged KV cache (module docstring for the layout).
+    """Attention of packed queries over a head-major paged KV cache (module docstring).
 
     q [T, Hq, D]; kv_pages [num_pages, 2*Hkv, page_size, D] (K/V interleaved per head) or, with
     `v_pages`, k pages [num_pages, Hkv, page_size, D] and v_pages of the same shape; kv_lens [S]
@@ -337,18 +492,128 @@ def ragged_paged_attention(
     the first num_seqs slots are live). Returns o [T, Hq, D] in q's dtype; rows of tokens that
     belong to no live sequence are zero. `sliding_window` w: a query at position p sees keys
     p-w+1..p. `soft_cap` c: scores become c * tanh(s / c). Inputs are not validated here (the
-    torch ops do it); out-of-range page table entries would be read out of bounds.
+    torch ops do it); out-of-range page table entries would be read out of bounds. `sinks` [Hq]:
+    attention-sink logits (see paged_attention_token_major).
     """
-    T, hq, d = q.shape
     n_arr = 1 if v_pages is None else 2
     num_pages, heads_in_cache, page_size = kv_pages.shape[:3]
     hkv = heads_in_cache // 2 if n_arr == 1 else heads_in_cache
+    caches = [kv_pages] + ([v_pages] if n_arr == 2 else [])
+    return _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, hkv=hkv,
+                      page_size=page_size, token_major=False, sm_scale=sm_scale,
+                      sliding_window=sliding_window, soft_cap=soft_cap, causal=causal,
+                      config=config, generation=generation, interpret=interpret, sinks=sinks)
+
+
+def paged_attention_token_major(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    new_k: jax.Array | None = None,
+    new_v: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    new_k_scale: jax.Array | None = None,
+    new_v_scale: jax.Array | None = None,
+    k_head_scale: jax.Array | None = None,
+    v_head_scale: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    causal: bool = True,
+    config: PagedAttentionConfig | None = None,
+    generation: str | None = None,
+    interpret=False,
+):
+    """Ragged paged attention over token-major caches, the layout flash-attn, vLLM and
+    Transformers keep: k_cache / v_cache [num_blocks, block_size, Hkv, D], read in place (the
+    kernel DMAs pages of the cache itself; `[nb, bs, Hkv, D] -> [nb, bs * Hkv, D]` merges
+    contiguous dims, a bitcast). Other arguments as `ragged_paged_attention`.
+
+    With new_k / new_v [T, Hkv, D]: the new tokens' K/V are first written into their slots by
+    `write_kv_token_major` (a Pallas kernel with the caches aliased to its outputs), then
+    attention reads the updated caches; returns (out, k_cache, v_cache). Jit the caller with the
+    caches donated so that the write happens in place (otherwise XLA copies each cache once to
+    keep the caller's arrays intact). Without new_k / new_v returns out.
+    """
+    nb, bs, hkv, d = k_cache.shape
+    if (new_k is None) != (new_v is None):
+        raise ValueError("new_k and new_v: pass both or neither")
+    if (k_scale is None) != (v_scale is None) or (k_head_scale is None) != (v_head_scale is None):
+        raise ValueError("k/v scales: pass the K and V scales together")
+    if new_k is not None:
+        k_cache, v_cache = write_kv_token_major(k_cache, v_cache, new_k, new_v, kv_lens,
+                                                page_table, cu_q_lens, num_seqs,
+                                                interpret=interpret)
+        if k_scale is not None:
+            if new_k_scale is None or new_v_scale is None:
+                raise ValueError("new_k_scale / new_v_scale: needed with new_k and k_scale")
+            slots = write_slots(kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+                                cu_q_lens.astype(jnp.int32),
+                                num_seqs.astype(jnp.int32).reshape(1), bs, new_k.shape[0],
+                                num_pages=nb)
+            page, row = slots // bs, slots % bs
+            k_scale = k_scale.at[page, :, row].set(new_k_scale.astype(k_scale.dtype), mode="drop")
+            v_scale = v_scale.at[page, :, row].set(new_v_scale.astype(v_scale.dtype), mode="drop")
+    caches = [k_cache.reshape(nb, bs * hkv, d), v_cache.reshape(nb, bs * hkv, d)]
+    out = _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, hkv=hkv, page_size=bs,
+                     token_major=True, sm_scale=sm_scale, sliding_window=sliding_window,
+                     soft_cap=soft_cap, causal=causal, config=config, generation=generation,
+                     interpret=interpret, token_scales=None if k_scale is None else (k_scale, v_scale),
+                     head_scales=None if k_head_scale is None else (k_head_scale, v_head_scale),
+                     sinks=sinks)
+    if new_k is None:
+        return out
+    return (out, k_cache, v_cache) if k_scale is None else (out, k_cache, v_cache, k_scale, v_scale)
+
+
+def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int, page_size: int,
+               token_major: bool, sm_scale, sliding_window, soft_cap, causal, config, generation,
+               interpret, token_scales=None, head_scales=None, sinks=None):
+    T, hq, d = q.shape
+    n_arr = len(caches)
+    kv_dtype = caches[0].dtype
+    heads_in_cache = caches[0].shape[1]
     group = hq // hkv
     S, pages_per_seq = page_table.shape
+    if token_major and not token_major_supported(kv_dtype, hkv, page_size):
+        raise ValueError(f"token-major caches of {jnp.dtype(kv_dtype).name} with {hkv} KV heads "
+                         f"and block_size {page_size}: 16-bit pages need bfloat16 and an even "
+                         "number of KV heads (or one), 8-bit pages a multiple of 4 KV heads, and "
+                         "block_size * KV heads a multiple of the sublane tile "
+                         f"({tiling.row_tile(kv_dtype)} rows)")
+    quant = {1: ("int8" if kv_dtype == jnp.int8 else "fp8")}.get(jnp.dtype(kv_dtype).itemsize)
+    if quant is not None and not token_major:
+        raise ValueError("8-bit caches: only the token-major layout (paged_attention_token_major)")
+    if quant is not None and kv_dtype not in (jnp.int8, jnp.float8_e4m3fn):
+        raise TypeError(f"8-bit caches: int8 or float8_e4m3fn, got {jnp.dtype(kv_dtype).name}")
+    if token_scales is not None:
+        want = (caches[0].shape[0], hkv, page_size)
+        if quant is None or page_size % 128:
+            raise ValueError("k_scale / v_scale (per token): 8-bit caches with block_size a "
+                             f"multiple of 128 (got {jnp.dtype(kv_dtype).name}, {page_size})")
+        for name, a in zip(("k_scale", "v_scale"), token_scales):
+            if a.shape != want:
+                raise ValueError(f"{name}: expected shape {want} [num_blocks, Hkv, block_size], "
+                                 f"got {a.shape}")
+        token_scales = [a.astype(jnp.float32) for a in token_scales]
+    if head_scales is not None:
+        for name, a in zip(("k_head_scale", "v_head_scale"), head_scales):
+            if a.shape != (hkv,):
+                raise ValueError(f"{name}: expected shape ({hkv},) (one per KV head), got {a.shape}")
+        head_scales = jnp.stack([a.astype(jnp.float32) for a in head_scales])
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks: expected shape ({hq},) (one per query head), got {sinks.shape}")
     sm_scale = float(d ** -0.5 if sm_scale is None else sm_scale)
     cfg = tiling.choose_config(num_tokens=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                page_size=page_size, pages_per_seq=pages_per_seq,
-                               q_dtype=q.dtype, kv_dtype=kv_pages.dtype, generation=generation,
+                               q_dtype=q.dtype, kv_dtype=kv_dtype, generation=generation,
                                config=config)
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _cdiv(max(T, 1), bq) * bq
@@ -376,10 +641,6 @@ def ragged_paged_attention(
     # [T, Hq, D] -> [Hkv, T_pad * G, D]: the G query heads of a KV head become token-major rows.
     qh = q.reshape(T, hkv, group, d).transpose(1, 0, 2, 3)
     qh = jnp.pad(qh, ((0, 0), (0, t_pad - T), (0, 0), (0, 0))).reshape(hkv, t_pad * group, d)
-    # Pages are head-major ([heads, page_size, D]): one contiguous DMA moves every head of a page,
-    # and head h is a leading-dim index of the VMEM buffer (no strided sublane loads). A
-    # token-major cache would need a relayout copy of the whole cache here.
-    caches = [kv_pages] + ([v_pages] if n_arr == 2 else [])
 
     page_table = page_table.astype(jnp.int32)
     if stream_pt:
@@ -392,7 +653,23 @@ def ragged_paged_attention(
         _paged_kernel, n_arr=n_arr, num_kv_heads=hkv, head_dim=d, group=group, block_q=bq,
         page_size=page_size, pages_per_block=ppb, pages_per_seq=pages_per_seq,
         max_items=max_items, narrow=tiling.narrow_rows(group, rows), sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal, stream_pt=stream_pt)
+        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal, stream_pt=stream_pt,
+        token_major=token_major, unpack_u32=not _tpu_interpret_mode(interpret), quant=quant,
+        token_scales=token_scales is not None, static_scales=head_scales is not None,
+        sinks=sinks is not None)
+    extra_in, extra_specs, scale_scratch = [], [], []
+    if token_scales is not None:
+        extra_in += token_scales
+        extra_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
+        scale_scratch = [pltpu.VMEM((2, hkv, ppb * page_size), jnp.float32) for _ in range(2)]
+    if head_scales is not None:
+        extra_in.append(head_scales)
+        extra_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    if sinks is not None:
+        # Row r of a q block for KV head h is query head h * G + r % G.
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, group), (1, bq, 1))
+        extra_in.append(sink_rows.reshape(hkv, rows, 1))
+        extra_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, 0, 0)))
 
     def qo_map(i, kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref):
         return (0, work_ref[i], 0)
@@ -400,16 +677,24 @@ def ragged_paged_attention(
     gen = get_generation(generation)
     need = tiling.vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
                                   num_kv_heads=hkv, group=group, head_dim=d, q_dtype=q.dtype,
-                                  kv_dtype=kv_pages.dtype)
+                                  kv_dtype=kv_dtype, token_scales=token_scales is not None,
+                                  sinks=sinks is not None)
+    if token_major:
+        # One flat [pages * page_size * Hkv, D] slot per cache: row t * Hkv + h.
+        kv_scratch = [pltpu.VMEM((2, ppb * page_size * hkv, d), kv_dtype) for _ in range(n_arr)]
+    else:
+        kv_scratch = [pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_dtype)
+                      for _ in range(n_arr)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(max_items,),
         in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * (n_arr + int(stream_pt)),
+        + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr + extra_specs
+        + [pl.BlockSpec(memory_space=pl.ANY)] * int(stream_pt),
         out_specs=pl.BlockSpec((hkv, rows, d), qo_map),
-        scratch_shapes=[pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_pages.dtype) for _ in range(n_arr)]
+        scratch_shapes=kv_scratch + scale_scratch
         + [
-            pltpu.SemaphoreType.DMA((2, n_arr)),
+            pltpu.SemaphoreType.DMA((2, n_arr + 2 * int(token_scales is not None))),
         ]
         + ([pltpu.SMEM((2, 1, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
            if stream_pt else [])
@@ -419,6 +704,10 @@ def ragged_paged_attention(
             pltpu.VMEM((hkv, rows, d), jnp.float32),
         ],
     )
+    cost = tiling.static_cost(num_tokens=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              page_size=page_size, num_seqs=S, pages_per_seq=pages_per_seq,
+                              num_pages=caches[0].shape[0], q_dtype=q.dtype, kv_dtype=kv_dtype,
+                              config=cfg, sliding_window=sliding_window if causal else None)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -426,9 +715,11 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=cfg.vmem_limit_bytes or vmem_limit_bytes(gen, need)),
+        cost_estimate=pl.CostEstimate(**cost),
         interpret=interpret,
-        name="ragged_paged_attention",
-    )(kv_lens, cu_q_lens, pt_smem, work.reshape(-1), total.reshape(1), qh, *caches, *pt_hbm)
+        name="ragged_paged_attention_tm" if token_major else "ragged_paged_attention",
+    )(kv_lens, cu_q_lens, pt_smem, work.reshape(-1), total.reshape(1), qh, *caches, *extra_in,
+      *pt_hbm)
     out = out.reshape(hkv, t_pad, group, d)[:, :T].transpose(1, 0, 2, 3).reshape(T, hq, d)
     return out
 
@@ -471,5 +762,87 @@ def write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_to
 
 
 
-__all__ = ["ragged_paged_attention", "build_work_list", "write_kv", "write_slots",
-           "PagedAttentionConfig"]
+# DMAs of the cache writer in flight at once before the oldest is waited for.
+WRITE_WINDOW = 16
+
+
+def _write_kernel(slots_ref, new_k, new_v, k_in, v_in, k_out, v_out, sem, *, num_tokens: int,
+                  page_size: int):
+    """Token t's K and V rows ([Hkv, D], one contiguous row of a token-major page) are copied by
+    one DMA each from the new K/V into slot slots_ref[t] of the caches (skipped when < 0), HBM to
+    HBM, at most WRITE_WINDOW tokens in flight."""
+    del k_in, v_in  # aliased to k_out / v_out: the writes land in the caller's caches
+
+    def copies(t, slot):
+        page, row = lax.div(slot, page_size), lax.rem(slot, page_size)
+        return (pltpu.make_async_copy(new_k.at[t], k_out.at[page, row], sem.at[0]),
+                pltpu.make_async_copy(new_v.at[t], v_out.at[page, row], sem.at[1]))
+
+    def wait(t):
+        @pl.when(slots_ref[t] >= 0)
+        def _():
+            for c in copies(0, 0):  # a wait needs only the semaphore and the shape
+                c.wait()
+
+    def body(t, carry):
+        slot = slots_ref[t]
+
+        @pl.when(slot >= 0)
+        def _():
+            for c in copies(t, slot):
+                c.start()
+
+        @pl.when(t >= WRITE_WINDOW)
+        def _():
+            wait(t - WRITE_WINDOW)
+
+        return carry
+
+    lax.fori_loop(0, num_tokens, body, 0)
+    for j in range(max(0, num_tokens - WRITE_WINDOW), num_tokens):
+        wait(j)
+
+
+def write_kv_token_major(k_cache: jax.Array, v_cache: jax.Array, new_k: jax.Array,
+                         new_v: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
+                         cu_q_lens: jax.Array, num_seqs: jax.Array, *, interpret=False):
+    """(k_cache, v_cache) with the new tokens' K/V written at their slots by a Pallas kernel whose
+    outputs alias the caches (input_output_aliases): with the caches donated to the enclosing jit
+    the write is in place, whatever the number of new tokens (decode, chunked prefill, mixed).
+
+    k_cache / v_cache [num_blocks, block_size, Hkv, D]; new_k / new_v [T, Hkv, D]: token t of
+    sequence s goes to position kv_lens[s] - q_len[s] + (t - cu_q_lens[s]), i.e. page
+    page_table[s, pos // block_size], row pos % block_size. A token's [Hkv, D] row is contiguous
+    in this layout and a whole number of (sublane, lane) tiles when Hkv fills the sublane tile,
+    so one DMA moves it with no read-modify-write. Tokens of dead slots and padding are skipped.
+    """
+    nb, bs, hkv, d = k_cache.shape
+    T = new_k.shape[0]
+    slots = write_slots(kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+                        cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32).reshape(1), bs,
+                        T, num_pages=nb)
+    slots = jnp.where(slots < nb * bs, slots, -1).astype(jnp.int32)
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
+    row_bytes = hkv * d * itemsize
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(1,), in_specs=[any_spec] * 4,
+        out_specs=[any_spec, any_spec], scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])
+    return pl.pallas_call(
+        functools.partial(_write_kernel, num_tokens=T, page_size=bs),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # Each new token's K and V rows: read once from new_k / new_v, written once.
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=int(2 * 2 * T * row_bytes + 4 * T)),
+        interpret=interpret,
+        name="paged_kv_write",
+    )(slots, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), k_cache, v_cache)
+
+
+__all__ = ["ragged_paged_attention", "paged_attention_token_major", "write_kv_token_major",
+           "token_major_supported",
+           "build_work_list", "write_kv", "write_slots", "PagedAttentionConfig"]

@@ -9,14 +9,19 @@ ValueError/TypeError instead of reading out of bounds. `validate=False` skips th
 KV-cache writes. The bridge's ops never mutate their inputs, so the new tokens' K/V are written
 into the torch cache tensor in place by the torch function itself (`index_put_` on exactly the new
 tokens' slots, before the attention op reads the cache); the attention op only reads the cache.
-On TPU that write is one torch scatter of T x 2*Hkv x D elements. (JAX callers use
-`kernel.write_kv`, a scatter that XLA performs in place on a donated cache.)
+On TPU that write is one torch scatter of T x 2*Hkv x D elements. JAX callers of the token-major
+kernel pass new_k / new_v to `kernel.paged_attention_token_major`, where a Pallas kernel writes each
+token's [Hkv, D] row with one DMA into the donated caches (input_output_aliases, in place, no
+cache-sized temporary at any chunk size); the torch bridge ops cannot mutate their inputs, so the
+torch functions keep the scatter. (Head-major JAX callers: `kernel.write_kv`.)
 
-Cache layouts. `ragged_paged_attention` uses the kernel's native head-major cache
-[num_pages, 2 * kv_heads, page_size, head_dim] (K of head h at index 2h, V at 2h+1).
-`flash_attn_with_kvcache` takes flash-attn's token-major caches [num_blocks, block_size, kv_heads,
-head_dim] and gives the kernel a head-major copy of both caches on every call (one full read and
-write of the caches: fine on CPU and for tests, costly for serving; serve with the native layout).
+Cache layouts. `ragged_paged_attention` uses the head-major cache [num_pages, 2 * kv_heads,
+page_size, head_dim] (K of head h at index 2h, V at 2h+1). `flash_attn_with_kvcache` takes
+flash-attn's (and Transformers' and vLLM's) token-major caches [num_blocks, block_size, kv_heads,
+head_dim] and the kernel reads them in place (kernel.paged_attention_token_major: no relayout, no
+copy; contiguous caches, or contiguous views at an offset such as Transformers' per-layer page
+views, cross to JAX by dlpack without a copy). Only float16 caches and bfloat16 caches with an
+odd number (> 1) of KV heads still get a head-major copy per call.
 `flash_attn_varlen_func` scatters the packed K/V into 16-token pages on every call (one copy of K/V).
 No autograd: these are inference kernels (backward raises).
 """
@@ -125,16 +130,24 @@ def _kvcache_jax(
     softcap: Optional[float] = None,
     causal: bool = False,
 ) -> jax.Array:
-    """flash-attn layout: q [B, Sq, H, D], caches [nb, bs, Hkv, D] -> out [B, Sq, H, D]."""
+    """flash-attn layout: q [B, Sq, H, D], caches [nb, bs, Hkv, D] -> out [B, Sq, H, D]. The
+    kernel reads the token-major caches in place; only float16 caches, bfloat16 ones with an odd
+    number (> 1) of KV heads (its strided word reads cannot unpack them), or blocks whose
+    block_size * kv_heads rows do not fill whole sublane tiles take a head-major copy."""
     b, sq, h, d = q.shape
-    kc = k_cache.transpose(0, 2, 1, 3)  # head-major copy (see module docstring)
-    vc = v_cache.transpose(0, 2, 1, 3)
+    hkv = k_cache.shape[2]
     cu = (jnp.arange(b + 1) * sq).astype(jnp.int32)
-    out = kernel.ragged_paged_attention(
-        q.reshape(b * sq, h, d), kc, kv_lens.astype(jnp.int32), block_table.astype(jnp.int32), cu,
-        jnp.full((1,), b, jnp.int32), v_pages=vc, sm_scale=softmax_scale,
-        sliding_window=sliding_window, soft_cap=softcap, causal=causal,
-        interpret=pallas_interpret())
+    args = (kv_lens.astype(jnp.int32), block_table.astype(jnp.int32), cu,
+            jnp.full((1,), b, jnp.int32))
+    kw = dict(sm_scale=softmax_scale, sliding_window=sliding_window, soft_cap=softcap,
+              causal=causal, interpret=pallas_interpret())
+    if kernel.token_major_supported(k_cache.dtype, hkv, k_cache.shape[1]):
+        out = kernel.paged_attention_token_major(q.reshape(b * sq, h, d), k_cache, v_cache, *args,
+                                                 **kw)
+    else:
+        out = kernel.ragged_paged_attention(
+            q.reshape(b * sq, h, d), k_cache.transpose(0, 2, 1, 3), *args,
+            v_pages=v_cache.transpose(0, 2, 1, 3), **kw)
     return out.reshape(b, sq, h, d)
 
 

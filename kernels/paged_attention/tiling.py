@@ -72,10 +72,18 @@ def row_tile(dtype) -> int:
     return 8 * max(1, 4 // _itemsize(dtype))
 
 
-def partial_page_chunks(page_size: int, dtype) -> list[int]:
-    """Row counts (descending powers of two times the row tile, each < page_size) whose sums copy
-    any tile-rounded valid prefix of a page; empty when a page is a single tile."""
+def copy_tile(dtype, num_kv_heads: int = 1, token_major: bool = False) -> int:
+    """Tokens per partial-page copy unit: the sublane tile (head-major pages, rows = tokens), or
+    for token-major pages (rows = token * Hkv + head) the fewest tokens whose rows fill whole
+    sublane tiles."""
     tile = row_tile(dtype)
+    return tile // math.gcd(tile, num_kv_heads) if token_major else tile
+
+
+def partial_page_chunks(page_size: int, dtype, tile: int | None = None) -> list[int]:
+    """Token counts (descending powers of two times the copy tile, each < page_size) whose sums
+    copy any tile-rounded valid prefix of a page; empty when a page is a single tile."""
+    tile = tile or row_tile(dtype)
     sizes, size = [], tile
     while size < page_size:
         sizes.append(size)
@@ -87,10 +95,11 @@ def partial_page_chunks(page_size: int, dtype) -> list[int]:
     return sizes[::-1]
 
 
-def page_copy_plan(kv_len: int, first_page: int, npages: int, page_size: int, dtype):
-    """(number of DMAs, rows copied) for one item's pages, exactly as kernel.fetch issues them."""
-    chunks = partial_page_chunks(page_size, dtype)
-    tile = row_tile(dtype)
+def page_copy_plan(kv_len: int, first_page: int, npages: int, page_size: int, dtype,
+                   tile: int | None = None):
+    """(number of DMAs, tokens copied) for one item's pages, exactly as kernel.fetch issues them."""
+    tile = tile or row_tile(dtype)
+    chunks = partial_page_chunks(page_size, dtype, tile=tile)
     last_rows = kv_len - (first_page + npages - 1) * page_size
     rows_up = -(-last_rows // tile) * tile
     if npages == 0:
@@ -107,7 +116,8 @@ def narrow_rows(group: int, rows: int) -> int:
 
 
 def vmem_need_bytes(*, block_q: int, pages_per_block: int, page_size: int, num_kv_heads: int,
-                    group: int, head_dim: int, q_dtype, kv_dtype) -> int:
+                    group: int, head_dim: int, q_dtype, kv_dtype, token_scales: bool = False,
+                    sinks: bool = False) -> int:
     rows = block_q * group
     kv_tokens = pages_per_block * page_size
     kv_slots = 2 * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
@@ -115,7 +125,9 @@ def vmem_need_bytes(*, block_q: int, pages_per_block: int, page_size: int, num_k
     acc = num_kv_heads * rows * head_dim * 4
     stats = 2 * num_kv_heads * rows * _NEG_LANES * 4
     temps = 3 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
-    return kv_slots + q_out + acc + stats + temps
+    scales = 2 * 2 * _round_up(num_kv_heads, 8) * kv_tokens * 4 if token_scales else 0
+    sink_rows = 2 * num_kv_heads * rows * _NEG_LANES * 4 if sinks else 0
+    return kv_slots + q_out + acc + stats + temps + scales + sink_rows
 
 
 def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -231,7 +243,9 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
             page_size: int, pages_per_seq: int, max_num_seqs: int | None = None,
             num_tokens: int | None = None, q_dtype="bfloat16", kv_dtype="bfloat16",
             sliding_window: int | None = None, causal: bool = True, separate_kv: bool = False,
-            generation: str | None = None, config: PagedAttentionConfig | None = None) -> dict:
+            token_major: bool = False, write_new_kv: bool = False, token_scales: bool = False,
+            sinks: bool = False, head_scales: bool = False, generation: str | None = None,
+            config: PagedAttentionConfig | None = None) -> dict:
     """Everything one call of `kernel.ragged_paged_attention` moves and computes, itemised.
 
     Arguments describe the batch as the kernel sees it: the live sequences' q_lens / kv_lens,
@@ -240,6 +254,16 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     page DMAs), qo_block_bytes (q blocks read + output blocks written by the BlockSpec pipeline:
     each q block once, as its items are consecutive), smem_bytes (scalar-prefetched tables),
     stream_page_table, pt_dmas / pt_dma_bytes (page-table rows DMA'd to SMEM when streamed),
+    `token_major`: separate token-major K and V caches [num_blocks, block_size, Hkv, D]
+    (`kernel.paged_attention_token_major`; a partial page is copied in copy_tile tokens),
+    `write_new_kv`: the call also writes the new tokens' K/V (`kernel.write_kv_token_major`: one
+    HBM -> HBM DMA per live token per cache, its [Hkv, D] row read and written: write_dmas,
+    write_bytes, also added to min_hbm_bytes since any writer must move them; write_slot_bytes:
+    the writer's scalar-prefetched slot of each of the num_tokens rows), `token_scales`: 8-bit
+    pages with per-token-per-head scales [num_blocks, Hkv, block_size] f32 (scale_dmas /
+    scale_dma_bytes: each listed page's K and V scale rows, whole), `sinks`: the per-row sink
+    logits, one [Hkv, rows, 1] f32 block read once (sink_bytes), `head_scales`: per-head static
+    K and V scales, one [2, Hkv] f32 SMEM block (head_scale_bytes),
     mxu_flops, useful_flops, min_hbm_bytes, vmem_bytes.
     """
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
@@ -273,10 +297,15 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
         r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
         issued_rows = nr if (nr < rows and r_lo // nr == (r_hi - 1) // nr) else rows
         mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
+    separate_kv = separate_kv or token_major  # token-major caches are always K and V apart
+    listed_pages = sum(npages for (_, _, _, npages) in items)
+    scale_dmas = 2 * listed_pages if token_scales else 0
+    scale_dma_bytes = scale_dmas * num_kv_heads * page_size * 4
+    tile = copy_tile(kv_dtype, num_kv_heads, token_major)
     dmas, kv_rows = 0, 0
     for (_, s, start, npages) in items:
         if npages:
-            n, r = page_copy_plan(kv_lens[s], start, npages, page_size, kv_dtype)
+            n, r = page_copy_plan(kv_lens[s], start, npages, page_size, kv_dtype, tile=tile)
             dmas += n
             kv_rows += r
     row_bytes = 2 * num_kv_heads * head_dim * kv_size  # one token's K and V, all heads
@@ -307,24 +336,56 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     min_bytes = (min_kv_tokens * 2 * num_kv_heads * head_dim * kv_size
                  + 2 * sum(q_lens) * num_q_heads * head_dim * q_size
                  + 4 * sum(-(-k // page_size) for k in kv_lens))
+    if token_scales:
+        min_bytes += min_kv_tokens * 2 * num_kv_heads * 4
+    new_tokens = sum(q_lens) if write_new_kv else 0
+    write_dmas = 2 * new_tokens
+    write_bytes = 2 * 2 * new_tokens * num_kv_heads * head_dim * kv_size
+    min_bytes += write_bytes
     vmem = vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
                            num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                           q_dtype=q_dtype, kv_dtype=kv_dtype)
+                           q_dtype=q_dtype, kv_dtype=kv_dtype, token_scales=token_scales,
+                           sinks=sinks)
     return dict(config=cfg, items=items, max_items=max_items,
                 kv_dmas=dmas * (2 if separate_kv else 1), kv_dma_bytes=kv_rows * row_bytes,
                 qo_block_bytes=2 * nqb * qo_block, smem_bytes=prefetch_bytes,
                 stream_page_table=stream, pt_dmas=pt_dmas, pt_dma_bytes=pt_dmas * 4 * pages_per_seq,
-                mxu_flops=mxu,
+                mxu_flops=mxu, write_dmas=write_dmas, write_bytes=write_bytes,
+                write_slot_bytes=4 * num_tokens if write_new_kv else 0,
+                scale_dmas=scale_dmas, scale_dma_bytes=scale_dma_bytes,
+                sink_bytes=num_kv_heads * rows * 4 if sinks else 0,
+                head_scale_bytes=2 * num_kv_heads * 4 if head_scales else 0,
                 useful_flops=useful, min_hbm_bytes=min_bytes, vmem_bytes=vmem)
+
+
+def static_cost(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                page_size: int, num_seqs: int, pages_per_seq: int, num_pages: int, q_dtype,
+                kv_dtype, config: PagedAttentionConfig, sliding_window: int | None = None) -> dict:
+    """pl.CostEstimate fields for one kernel call from static shapes only (the lengths are traced
+    values): every token of every page a sequence can address, at most the cache, read once
+    (with a sliding window at most w + block_q - 1 keys per q block and sequence); q read and o
+    written once; the MXU work of those keys against each query row; one exp per score. An upper
+    bound of `estimate_cost`, which needs the actual lengths."""
+    kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
+    keys_per_seq = pages_per_seq * page_size
+    if sliding_window is not None:
+        keys_per_seq = min(keys_per_seq, sliding_window + (config.block_q or 1) - 1 + page_size)
+    kv_tokens = min(num_seqs * keys_per_seq, num_pages * page_size)
+    kv_bytes = kv_tokens * 2 * num_kv_heads * head_dim * kv_size
+    qo_bytes = 2 * num_tokens * num_q_heads * head_dim * q_size
+    scores = num_tokens * num_q_heads * min(keys_per_seq, kv_tokens)
+    return dict(flops=int(4 * scores * head_dim), transcendentals=int(scores),
+                bytes_accessed=int(kv_bytes + qo_bytes + 4 * num_seqs * pages_per_seq))
 
 
 def estimate_cost(**kwargs) -> KernelCost:
     """Closed-form cost of one kernel call (arguments: see `traffic`).
 
     hbm_bytes = KV page DMAs (every page a work item lists, once per item, all KV heads; a
-    sequence's partly filled last page only up to its valid rows rounded up to the sublane tile;
+    sequence's partly filled last page only up to its valid rows rounded up to the copy tile;
     pages outside the causal range or the sliding window are never listed) + q/output block
-    copies + scalar-prefetched tables. min_hbm_bytes = the KV tokens some query can see, each read
+    copies + scalar-prefetched tables (+ the new tokens' K/V rows read and written, with
+    write_new_kv). min_hbm_bytes = the KV tokens some query can see, each read
     once, + q read and o written once + one page-table entry per valid page. grid_steps = the
     static work-list length (steps past the real list only test a condition). mxu_flops counts
     the rows and columns issued (narrow decode path or the whole q block, times every page slot of
@@ -332,12 +393,15 @@ def estimate_cost(**kwargs) -> KernelCost:
     t = traffic(**kwargs)
     return KernelCost(useful_flops=int(t["useful_flops"]), mxu_flops=int(t["mxu_flops"]),
                       hbm_bytes=int(t["kv_dma_bytes"] + t["qo_block_bytes"] + t["smem_bytes"]
-                                    + t["pt_dma_bytes"]),
+                                    + t["pt_dma_bytes"] + t["write_bytes"]
+                                    + t["write_slot_bytes"] + t["scale_dma_bytes"]
+                                    + t["sink_bytes"] + t["head_scale_bytes"]),
                       min_hbm_bytes=int(t["min_hbm_bytes"]), grid_steps=int(t["max_items"]),
                       vmem_bytes=int(t["vmem_bytes"]))
 
 
 __all__ = ["PagedAttentionConfig", "choose_config", "estimate_cost", "max_items_bound",
            "work_list_numpy", "traffic", "vmem_need_bytes", "vmem_budget_bytes", "narrow_rows", "row_align", "row_tile", "partial_page_chunks", "page_copy_plan",
+           "copy_tile", "static_cost",
            "GENERATIONS", "SMEM_BUDGET_BYTES", "PAGE_TABLE_SMEM_BYTES",
            "streams_page_table", "smem_bytes"]
