@@ -5,6 +5,7 @@ intermediate 768, 128 experts, top-8) at 64 tokens (decode) and 4096 tokens (pre
 method synchronises before returning, since the runner's own sync ignores TPUs. On CPU the kernels
 run in Pallas interpret mode, so the shapes are tiny: the numbers there only check the plumbing.
 
+Workloads: gmm at decode and prefill, the gated gate_up gmm (SiLU fused) at prefill, tgmm.
 Each workload is verified against a per-group torch loop in float32. Outputs are float32
 (out_dtype) so that the runner's fixed atol=1e-2 check compares accumulation, not bf16 rounding.
 """
@@ -105,6 +106,22 @@ class RaggedDotBenchmark(Benchmark):
 
     def verify_gmm_prefill(self):
         return self._verify_gmm()
+
+    # Gate_up at 4096 tokens with SiLU(gate) * up fused into the epilogue: writes [M, I], not
+    # [M, 2I] (the concatenated layout Qwen3-MoE stores).
+    def setup_gmm_gated_prefill(self):
+        self._setup_gmm(4096, "gate_up")
+
+    def benchmark_gmm_gated_prefill(self):
+        self.out = self.kernel.gmm_gated(self.x, self.w, self.group_sizes, activation="silu",
+                                         layout="concatenated", transpose_rhs=True,
+                                         out_dtype=torch.float32)
+        _sync(self.out)
+
+    def verify_gmm_gated_prefill(self):
+        h = _loop_gmm(self.x, self.w, self.group_sizes, transpose_rhs=True)
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
     # Weight gradient at 4096 tokens, gate_up projection: [E, K, N] = per-group x^T @ dout.
     def setup_tgmm_prefill(self):

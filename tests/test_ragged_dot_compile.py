@@ -65,3 +65,27 @@ def test_compiles_quantised_forward(generation, model):
     k, n = projections[0]
     assert _compile_gmm(generation, tokens * top_k, k, n, experts, transpose_rhs=True,
                         rhs_dtype=qdtype, quantised=True) is not None
+
+
+# The gated gate_up gmm (activation fused in the epilogue) at production shapes:
+# Qwen3-30B-A3B (concatenated gate/up, [E, 2I, H] as Transformers stores it, SiLU) and
+# GPT-OSS-120B-like experts (hidden 2880, I 2880, 128 experts, top-4; interleaved gate/up stored
+# [E, H, 2I], biases, clamped SwiGLU; I is not a multiple of the output tile).
+GATED = {
+    "qwen3_30b_a3b_4096tok_silu": (4096 * 8, 2048, 768, 128, "silu", "concatenated", True, False),
+    "gpt_oss_120b_4096tok_swiglu": (4096 * 4, 2880, 2880, 128, "gpt_oss_swiglu", "interleaved",
+                                    False, True),
+}
+
+
+@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("model", list(GATED))
+def test_compiles_gated_gate_up(generation, model):
+    m, k, i, experts, act, layout, transpose_rhs, with_bias = GATED[model]
+    rhs_shape = (experts, 2 * i, k) if transpose_rhs else (experts, k, 2 * i)
+    fn = functools.partial(K.gmm_gated, activation=act, layout=layout,
+                           transpose_rhs=transpose_rhs, generation=generation)
+    args = [((m, k), BF16), (rhs_shape, BF16), ((experts,), jnp.int32)]
+    if with_bias:
+        args.append(((experts, 2 * i), BF16))
+    assert tpu_compile.compile_for(generation, fn, *args) is not None

@@ -27,9 +27,10 @@ def hub_kernel(monkeypatch):
     return k
 
 
-def _qwen3_moe(dtype=torch.float32, seed=0):
+def _qwen3_moe(dtype=torch.float32, seed=0, moe_intermediate_size=48):
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        vocab_size=96, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=moe_intermediate_size,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=3, decoder_sparse_step=1, norm_topk_prob=True,
         max_position_embeddings=64, tie_word_embeddings=False)
@@ -44,6 +45,26 @@ def _mixtral(dtype=torch.float32, seed=0):
         num_experts_per_tok=2, max_position_embeddings=64)
     torch.manual_seed(seed)
     return transformers.MixtralForCausalLM(cfg).to(dtype).eval()
+
+
+def _gpt_oss(dtype=torch.float32, seed=0):
+    """Tiny GPT-OSS: interleaved gate/up stored [E, H, 2I] (is_transposed), biases, clamped SwiGLU.
+    Weights and biases are scaled up from the (tiny, zero-bias) init so that the pre-activations
+    cross the +-7 clamp and the biases matter."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            ex.gate_up_proj.mul_(10)
+            ex.gate_up_proj_bias.normal_(0, 2)
+            ex.down_proj_bias.normal_(0, 0.5)
+    return model.to(dtype).eval()
 
 
 def _ids(batch=2, length=11, vocab=96, seed=1):
@@ -132,11 +153,63 @@ def test_expert_parallel_placeholder_ids(hub_kernel):
     assert torch.all(none == 0)
 
 
+def _count_calls(monkeypatch, ops):
+    calls = {"gmm_op": 0, "gmm_gated_op": 0}
+    for name in calls:
+        op = getattr(ops, name)
+
+        def counted(*a, _op=op, _name=name):
+            calls[_name] += 1
+            return _op(*a)
+
+        monkeypatch.setattr(ops, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("build,activation", [
+    (lambda dt: _qwen3_moe(dt, moe_intermediate_size=128), ("silu", "concatenated")),
+    (_gpt_oss, ("gpt_oss_swiglu", "interleaved")),
+], ids=["qwen3_moe_fused_silu", "gpt_oss_fused_swiglu"])
+def test_fused_gate_logits_and_gradients_match_eager(hub_kernel, build, activation, monkeypatch):
+    """Gated experts whose gating we recognise run the gate_up gmm with the activation fused
+    (one gmm_gated and one gmm per layer); logits and the training gradients match eager."""
+    model = build(torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    up = experts.gate_up_proj
+    assert hub_kernel.integration.fused_gate(experts, up, experts.is_transposed) == activation
+    ids = _ids()
+    eager = _logits(model, "eager", ids)
+    calls = _count_calls(monkeypatch, hub_kernel.ops)
+    ours = _logits(model, NAME, ids)
+    assert calls == {"gmm_op": 2, "gmm_gated_op": 2}
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4 * eager.abs().max().item())
+    monkeypatch.undo()
+    grads = {}
+    for impl in ("eager", NAME):
+        m = copy.deepcopy(model).train()
+        m.set_experts_implementation(impl)
+        m(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert any("gate_up_proj" in n for n in grads[NAME])
+    for name, g in grads["eager"].items():
+        torch.testing.assert_close(grads[NAME][name], g, rtol=1e-4,
+                                   atol=1e-4 * max(g.abs().max().item(), 1e-6), msg=name)
+
+
+def test_fused_gate_bf16_logits(hub_kernel):
+    model = _gpt_oss(torch.bfloat16)
+    ids = _ids()
+    eager = _logits(model, "eager", ids)
+    ours = _logits(model, NAME, ids)
+    scale = eager.abs().max().item()
+    torch.testing.assert_close(ours, eager, rtol=0, atol=4 * 2**-8 * scale)
+
+
 class _Config:
     _experts_implementation = "eager"
 
 
-def _layout_module(is_transposed, has_bias, has_gate, seed=0):
+def _layout_module(is_transposed, has_bias, has_gate, seed=0, intermediate=24, act="gelu_pytorch_tanh"):
     """A Transformers-style experts module with the given layout flags; its eager forward is the
     reference (written from the conventions of transformers.integrations.moe)."""
     from transformers.activations import ACT2FN
@@ -146,7 +219,7 @@ def _layout_module(is_transposed, has_bias, has_gate, seed=0):
     class Experts(torch.nn.Module):
         def __init__(self, config):
             super().__init__()
-            self.num_experts, h, i = 5, 32, 24
+            self.num_experts, h, i = 5, 32, intermediate
             g = torch.Generator().manual_seed(seed)
             out_up = 2 * i if has_gate else i
             up_shape = (self.num_experts, h, out_up) if is_transposed else (self.num_experts, out_up, h)
@@ -158,7 +231,7 @@ def _layout_module(is_transposed, has_bias, has_gate, seed=0):
                 setattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias",
                         torch.nn.Parameter(torch.randn(self.num_experts, out_up, generator=g)))
                 self.down_proj_bias = torch.nn.Parameter(torch.randn(self.num_experts, h, generator=g))
-            self.act_fn = ACT2FN["gelu_pytorch_tanh" if has_gate else "relu2"]
+            self.act_fn = ACT2FN[act if has_gate else "relu2"]
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
             out = torch.zeros_like(hidden_states)
@@ -200,6 +273,28 @@ def test_experts_layouts(hub_kernel, is_transposed, has_bias, has_gate):
     hub_kernel.experts_forward(module, hidden, index, w).sum().backward()
     assert w.grad is not None
     assert all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.parametrize("is_transposed,has_bias,act,fused", [
+    (False, True, "gelu", "gelu"), (True, False, "silu", "silu"),
+    (False, False, "gelu_pytorch_tanh", "gelu_tanh"), (True, True, "relu", None)])
+def test_experts_fused_gate_layouts(hub_kernel, is_transposed, has_bias, act, fused):
+    """I = 128: the default concatenated gating with a recognised act_fn runs fused (weights in
+    either layout, with or without biases); an activation we do not fuse keeps the unfused path."""
+    module = _layout_module(is_transposed, has_bias, True, intermediate=128, act=act)
+    up = module.gate_up_proj
+    got = hub_kernel.integration.fused_gate(module, up, is_transposed)
+    assert got == ((fused, "concatenated") if fused else None)
+    torch.manual_seed(4)
+    hidden = torch.randn(9, 32)
+    index = torch.randint(0, 6, (9, 2))  # includes placeholder id 5 = num_experts
+    weights = torch.where(index == 5, 0.0, torch.rand(9, 2))
+    eager = module(hidden, index, weights)
+    ours = hub_kernel.experts_forward(module, hidden, index, weights)
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-5)
+    w = weights.clone().requires_grad_(True)
+    hub_kernel.experts_forward(module, hidden, index, w).sum().backward()
+    assert w.grad is not None and all(p.grad is not None for p in module.parameters())
 
 
 def test_unsupported_layout_is_a_clear_error(hub_kernel):

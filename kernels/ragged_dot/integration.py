@@ -9,6 +9,13 @@ dtype of the routing weights, returned in the input dtype. Weights are used in t
 stores them ([E, 2I, H] / [E, H, I], or transposed with `is_transposed`) with no copy: the kernel
 reads either layout. Picks of id `num_experts` (expert-parallel placeholders) sort to the end,
 belong to no group, and contribute exactly zero.
+
+Gated experts whose gating we recognise run the gate_up projection with the activation fused into
+the kernel's epilogue (`fused_gate`): the default `_apply_gate` (concatenated halves) with a SiLU,
+erf-GELU or tanh-GELU `act_fn`, and GPT-OSS's clamped SwiGLU (interleaved gate/up). The kernel then
+writes [tokens x top_k, I] instead of [.., 2I] and the bias rides in the same epilogue. Anything
+else (another activation, a custom `_apply_gate`, a concatenated I that is not a multiple of 128)
+keeps the unfused path: gmm, then the module's own gating.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 
 from . import ops as _ops
 
-__all__ = ["experts_forward", "register", "EXPERTS_NAMES"]
+__all__ = ["experts_forward", "register", "fused_gate", "EXPERTS_NAMES"]
 
 EXPERTS_NAMES = ("tokamax_ragged_dot", "pallas_ragged_dot")
 
@@ -41,14 +48,60 @@ def _weight(module, name: str) -> torch.Tensor:
     return w
 
 
-def _bias(module, name: str, rows: torch.Tensor, valid: torch.Tensor, like: torch.Tensor):
+def _bias_param(module, name: str) -> torch.Tensor:
     b = getattr(module, name, None)
     if not isinstance(b, torch.Tensor):
         raise ValueError(
             f"ragged_dot experts_forward: {type(module).__name__} has has_bias=True but no tensor "
             f"attribute {name!r}")
+    return b
+
+
+def _bias(module, name: str, rows: torch.Tensor, valid: torch.Tensor, like: torch.Tensor):
+    b = _bias_param(module, name)
     # Placeholder picks get no bias: their rows must stay exactly zero.
     return torch.where(valid, like + b[rows].to(like.dtype), like)
+
+
+# act_fn classes (by name: transformers renames them between versions) -> fused activation.
+_ACT_CLASSES = {
+    "SiLUActivation": "silu", "SiLU": "silu",
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+}
+
+
+def _activation_name(act) -> str | None:
+    name = _ACT_CLASSES.get(type(act).__name__)
+    if name == "gelu" and getattr(act, "act", None) not in (None, torch.nn.functional.gelu):
+        return None  # GELUActivation(use_gelu_python=True) is still erf GELU, but be strict
+    if type(act).__name__ == "GELU":  # torch.nn.GELU
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(getattr(act, "approximate", None))
+    return name
+
+
+def fused_gate(module, up: torch.Tensor, is_transposed: bool):
+    """(activation, layout) the gate_up kernel can fuse for this experts module, or None."""
+    if not getattr(module, "has_gate", True):
+        return None
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    two_i = up.shape[2] if is_transposed else up.shape[1]
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # an older transformers without the hook: nothing to match
+        _default_apply_gate = None
+    if apply_gate is not None and apply_gate is _default_apply_gate:
+        act = _activation_name(getattr(module, "act_fn", None))
+        # gate_up_out.chunk(2): concatenated halves; the up block of an output tile is a whole
+        # BlockSpec block only when I is a multiple of the 128-lane tile.
+        if act is not None and (two_i // 2) % 128 == 0:
+            return act, "concatenated"
+        return None
+    qualname = getattr(apply_gate, "__qualname__", "")
+    if (qualname == "GptOssExperts._apply_gate" and not getattr(module, "is_concatenated", True)
+            and getattr(module, "alpha", None) == 1.702 and getattr(module, "limit", None) == 7.0):
+        return "gpt_oss_swiglu", "interleaved"
+    return None
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -91,10 +144,17 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
     x = hidden_states[perm // top_k].to(up.dtype)
     # Weights as stored: [E, out, in] is read transposed in-kernel; is_transposed gives [E, in, out].
-    h = _ops.gmm(x, up, group_sizes, transpose_rhs=not is_transposed)
-    if has_bias:
-        h = _bias(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", rows_expert, valid, h)
-    h = self._apply_gate(h) if has_gate else self.act_fn(h)
+    fused = fused_gate(self, up, is_transposed)
+    if fused is not None:
+        bias = _bias_param(self, "gate_up_proj_bias") if has_bias else None
+        h = _ops.gmm_gated(x, up, group_sizes, bias.to(up.dtype) if bias is not None else None,
+                           activation=fused[0], layout=fused[1], transpose_rhs=not is_transposed)
+    else:
+        h = _ops.gmm(x, up, group_sizes, transpose_rhs=not is_transposed)
+        if has_bias:
+            h = _bias(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", rows_expert,
+                      valid, h)
+        h = self._apply_gate(h) if has_gate else self.act_fn(h)
     out = _ops.gmm(h.to(down.dtype), down, group_sizes, transpose_rhs=not is_transposed)
     if has_bias:
         out = _bias(self, "down_proj_bias", rows_expert, valid, out)

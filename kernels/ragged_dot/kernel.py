@@ -1,5 +1,6 @@
 """Grouped matmul (ragged dot) Pallas TPU kernels: gmm (forward, and dlhs with the other weight
-layout) and tgmm (weight gradient).
+layout), the gate_up gmm with the gated activation fused into its epilogue, and tgmm (weight
+gradient).
 
 Schedule. The rows of lhs are grouped contiguously by `group_sizes`. Before the kernel, a few cheap
 jnp ops turn group_sizes into a *work list* (tiling.work_list): one item per (row tile, group) pair
@@ -11,29 +12,42 @@ gmm grid = (N tiles, L items, K tiles). The BlockSpec index maps read the item's
 group from SMEM: lhs block (tile, k), rhs block (group, k, n), output block (tile, n). Consecutive
 items of one row tile keep the same output block, so it stays in VMEM and is written back once;
 consecutive items of one group (and kt == 1) keep the same weight block, so it is not re-fetched.
-Each item multiplies only the rows it owns: full chunks of up to 256 rows in a loop, then one tail
-window from a small set of bucket sizes (a 20-row group tail runs a 32-row matmul, not a whole
-tile). Each window's result is merged into an f32 accumulator with a row select, so rows of other
-groups in the same tile stay bit-exactly untouched (a NaN weight of one expert never reaches
-another expert's rows). Inside a window the MXU works on (rows, 256)-column chunks of the resident
-blocks in loops, so large DMA blocks do not unroll into huge kernels. The first item of a
-tile zeroes the accumulator; the last writes the tile out. Rows past sum(group_sizes) belong to a
-virtual group whose items do no MXU work and leave zeros. Items without MXU work (virtual rows,
-padding) point their lhs/rhs index maps at the block the previous step left resident, so they
-issue no DMA. A K tail (K % tk != 0) is zeroed in both operands on the last K block, so garbage
-beyond K never meets the MXU. int8 / fp8 weights are converted to the lhs dtype in VMEM and the
-per-output-channel scale of the item's group multiplies its accumulator rows after the last K
-block.
+
+The MXU work of an item is straight-line code: each row window is ONE block-sized matmul
+(rows, tk) x (tk, tn), which Mosaic unrolls into back-to-back MXU pushes (the scheduler interleaves
+the pushes, pops and accumulation of the whole block; a rolled loop over small chunks would
+serialise them). An item's rows run as full windows of `chunk` rows (a loop whose body is one such
+block matmul) plus one tail window from a small set of bucket sizes (a 20-row group tail runs a
+32-row matmul, not a whole tile). The f32 accumulator (tm, tn) stays in VMEM across the K blocks
+and is read and written once per window and K block; each window's rows are merged into it with a
+row select, so rows of other groups in the same tile stay bit-exactly untouched (a NaN weight of
+one expert never reaches another expert's rows). The first item of a tile zeroes the accumulator;
+the last writes the tile out. Rows past sum(group_sizes) belong to a virtual group whose items do
+no MXU work and leave zeros. Items without MXU work (virtual rows, padding) point their lhs/rhs
+index maps at the block the previous step left resident, so they issue no DMA. int8 / fp8 weights
+are converted to the lhs dtype once per grid step into a VMEM copy (and a K tail, K % tk != 0, is
+zeroed there and in the lhs window: garbage beyond K never meets the MXU); the per-output-channel
+scale (and a bias) of the item's group is applied to its accumulator rows after the last K block.
+
+Gated gmm (`activation` given): the gate_up projection of a gated MLP. The output tile (tm, tn)
+of act(gate) * up needs gate and up columns: with the concatenated layout ([gate | up] along N)
+two rhs BlockSpecs read the gate block nb and the up block nb + I/tn of the same array into two
+accumulators; with the interleaved layout (gate0, up0, gate1, ...) one rhs block of 2*tn columns
+holds both, and the epilogue pairs lane 2j with lane 2j + 1 by a lane rotation and compacts the
+even lanes with an exact 0/1 selection matmul (Mosaic has no lane-strided load). Either way the
+kernel writes [M, I], not [M, 2I].
 
 tgmm grid = (K tiles, N tiles, L items): for each (k, n) output block the items stream the row
 tiles of each group; lhs and dout rows outside the item's group are zeroed (both operands) before
-the row-contracting matmul; the first item of a group zeroes the accumulator and the last writes
-the [tk, tn] block of that group's gradient. Empty groups get one item that writes zeros.
+one row-contracting block matmul per window; the first item of a group zeroes the accumulator and
+the last writes the [tk, tn] block of that group's gradient. Empty groups get one item that writes
+zeros.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -44,11 +58,17 @@ from jax.experimental.pallas import tpu as pltpu
 from . import tiling as _tiling
 from .tiling import F_COMPUTE, F_FIRST, F_LAST, GMM_FIELDS, GmmTiling, TgmmTiling
 
-__all__ = ["gmm", "tgmm", "QUANTISED_DTYPES"]
+__all__ = ["gmm", "gmm_gated", "tgmm", "gated_activation", "QUANTISED_DTYPES", "ACTIVATIONS",
+           "GATE_LAYOUTS"]
 
 QUANTISED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-_NF = len(GMM_FIELDS)
+ACTIVATIONS = _tiling.ACTIVATIONS
+GATE_LAYOUTS = _tiling.GATE_LAYOUTS
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 _F = {name: i for i, name in enumerate(GMM_FIELDS)}
+# The LLO scheduler flag tokamax exposes as `use_experimental_scheduler`; measured on the gmm
+# schedule (README "ragged-dot-tpu"), on by default where it helps.
+LP_SCHEDULER_FLAG = "XLA_TPU_FORCE_LP_LLO_SCHEDULER"
 
 
 def _field(wl_ref, name, j, L):
@@ -60,9 +80,37 @@ def _row_mask(start, rows, lo, hi):
     return (r >= lo) & (r < hi)
 
 
+def _sigmoid(x):
+    # Through tanh (one EUP op): 1 / (1 + exp(-x)) costs an exp and an f32 divide, whose Newton
+    # steps made the interleaved epilogue VALU-bound.
+    return 0.5 + 0.5 * jnp.tanh(0.5 * x)
+
+
+def gated_activation(gate, up, activation: str):
+    """act(gate) * up in f32 (jnp; used inside the kernel and by the backward's recompute).
+
+    silu: gate * sigmoid(gate) * up; gelu: erf GELU; gelu_tanh: tanh-approximated GELU;
+    gpt_oss_swiglu: GPT-OSS's clamped SwiGLU (transformers' GptOssExperts._apply_gate):
+    gate = min(gate, 7), up = clip(up, -7, 7), (up + 1) * gate * sigmoid(1.702 * gate).
+    """
+    if activation == "silu":
+        return gate * _sigmoid(gate) * up
+    if activation == "gelu":
+        return 0.5 * gate * (1.0 + jax.lax.erf(gate * (1.0 / math.sqrt(2.0)))) * up
+    if activation == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + jnp.tanh(inner)) * up
+    if activation == "gpt_oss_swiglu":
+        gate = jnp.minimum(gate, GPT_OSS_LIMIT)
+        up = jnp.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+        return (up + 1.0) * (gate * _sigmoid(gate * GPT_OSS_ALPHA))
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+
+
 def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
-    """Run `window` over a computing item's rows: NFULL full chunks of `rc` rows in a loop, then
-    the tail in the smallest bucket that covers it. Each row is merged by exactly one window."""
+    """Run `window` over a computing item's rows: NFULL full windows of `rc` rows in a loop (the
+    body one block-sized matmul), then the tail in the smallest bucket that covers it. Each row is
+    merged by exactly one window."""
     start = _field(wl_ref, "START", j, L)
     nfull = _field(wl_ref, "NFULL", j, L)
     tstart = _field(wl_ref, "TSTART", j, L)
@@ -82,124 +130,203 @@ def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
         pl.when(compute & (bucket == b_idx))(functools.partial(window, tstart, rows, tail_first))
 
 
+# Largest weight block one straight-line matmul covers (K x N elements). Qwen3-30B-A3B's whole
+# 2048 x 1536 block schedules at MXU 0.91 on v6e; larger blocks (Mixtral's 4096 x 2048) are cut
+# along N into chunks of at most this size, run by a loop whose body is one block-sized matmul,
+# so the kernel's code stays bounded (compile time, instruction memory).
+MAX_DOT_ELEMENTS = 2048 * 2048
+
+
+def _n_chunk(k_rows: int, cols: int) -> int:
+    """Columns per straight-line matmul for a (k_rows, cols) weight block: cols itself when the
+    block is small enough, else the largest multiple of 128 dividing cols within the limit."""
+    if k_rows * cols <= MAX_DOT_ELEMENTS or cols % 128:
+        return cols
+    best = 128
+    for c in range(128, cols, 128):
+        if cols % c == 0 and k_rows * c <= MAX_DOT_ELEMENTS:
+            best = c
+    return best
+
+
+def _over_chunks(total: int, chunk: int, fn) -> None:
+    """fn(offset) for offsets 0, chunk, ... < total: inline when one chunk, else a loop."""
+    if chunk == total:
+        fn(0)
+        return
+
+    def body(c, carry):
+        fn(pl.multiple_of(c * chunk, chunk))
+        return carry
+
+    jax.lax.fori_loop(0, total // chunk, body, 0)
+
+
+def _compiler_params(semantics, vmem_limit, lp_scheduler):
+    flags = {LP_SCHEDULER_FLAG: True} if lp_scheduler else None
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit,
+                                flags=flags)
+
+
+def _cost_estimate(c: dict) -> pl.CostEstimate:
+    return pl.CostEstimate(flops=int(c["flops"]), transcendentals=int(c["transcendentals"]),
+                           bytes_accessed=int(c["bytes_accessed"]))
+
+
 # -------------------------------------------------------------------------------------------------
 # gmm
 # -------------------------------------------------------------------------------------------------
 
 
-def _chunk(t: int) -> int:
-    """Compute chunk along a lane dimension: the MXU works on (rows, chunk) slices of a block in a
-    loop, so large DMA blocks do not unroll into huge kernels."""
-    for c in (256, 128):
-        if t % c == 0:
-            return c
-    return t
+def _gmm_kernel(wl_ref, lhs_ref, *refs, L, kt, k_size, tk, tn, buckets, unit, rc, transpose_rhs,
+                quantised, has_bias, n_rhs, activation, layout, n_valid, compute_dtype):
+    """n_rhs weight refs (1, or 2 for concatenated gate/up), each with its own scale / bias ref,
+    accumulator and (quantised or K tail) prepared-weight copy."""
+    refs = list(refs)
+    rhs_refs = [refs.pop(0) for _ in range(n_rhs)]
+    scale_refs = [refs.pop(0) for _ in range(n_rhs)] if quantised else None
+    bias_refs = [refs.pop(0) for _ in range(n_rhs)] if has_bias else None
+    out_ref = refs.pop(0)
+    acc_refs = [refs.pop(0) for _ in range(n_rhs)]
+    k_tail = k_size % tk != 0
+    prepare = quantised or k_tail
+    w_refs = [refs.pop(0) for _ in range(n_rhs)] if prepare else rhs_refs
 
-
-def _gmm_kernel(wl_ref, lhs_ref, rhs_ref, *rest, L, kt, k_size, tk, tn, buckets, unit, rc,
-                transpose_rhs, quantised, compute_dtype):
-    if quantised:
-        scale_ref, out_ref, acc_ref = rest
-    else:
-        (out_ref, acc_ref), scale_ref = rest, None
-    j, kb = pl.program_id(1), pl.program_id(2)
+    nb, j, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     flags = _field(wl_ref, "FLAGS", j, L)
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
     is_last_k = kb == kt - 1
-    ck, cn = _chunk(tk), _chunk(tn)
-    k_tail = k_size % tk != 0
+    compute = (flags & F_COMPUTE) != 0
 
     @pl.when(((flags & F_FIRST) != 0) & (kb == 0))
     def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for acc_ref in acc_refs:
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    if prepare:
+        # Once per grid step, not per window: int8 / e4m3 -> lhs dtype (exact: their values fit
+        # in bf16), and past K the last K block holds whatever lay beyond the array: zeroed
+        # (0 * NaN would still be NaN).
+        @pl.when(compute)
+        def _prepare():
+            for rhs_ref, w_ref in zip(rhs_refs, w_refs):
+                w = rhs_ref[...].astype(compute_dtype)
+                if k_tail:
+                    axis = 1 if transpose_rhs else 0
+                    ok = kb * tk + jax.lax.broadcasted_iota(jnp.int32, w.shape, axis) < k_size
+                    w = jnp.where(ok, w, jnp.zeros_like(w))
+                w_ref[...] = w
+
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    wcols = acc_refs[0].shape[1]
+    cn = _n_chunk(tk, wcols)
 
     def window(s, rows, first_row):
-        """Multiply lhs rows [s, s + rows) and merge the rows in [first_row, HI) into acc."""
+        """Multiply lhs rows [s, s + rows) by the whole weight block(s) and merge the rows in
+        [first_row, HI) into the accumulator(s)."""
         s = pl.multiple_of(s, unit)
         row_ok = _row_mask(s, rows, first_row, hi)
+        x = lhs_ref[pl.ds(s, rows), :]
+        if k_tail:
+            col = kb * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+            x = jnp.where(col < k_size, x, jnp.zeros_like(x))
 
-        def n_chunk(c, carry):
-            n0 = pl.multiple_of(c * cn, cn)
+        def columns(n0):
+            cols = pl.ds(n0, cn)
+            for p in range(n_rhs):
+                w = w_refs[p][cols, :] if transpose_rhs else w_refs[p][:, cols]
+                d = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+                acc_ref = acc_refs[p]
+                cur = acc_ref[pl.ds(s, rows), cols]
+                new = cur + d
+                if quantised or has_bias:
+                    # Applied once to the finished sum of the item's group, after the last K block.
+                    fin = new
+                    if quantised:
+                        fin = fin * scale_refs[p][:, cols].astype(jnp.float32)
+                    if has_bias:
+                        fin = fin + bias_refs[p][:, cols].astype(jnp.float32)
+                    new = jnp.where(is_last_k, fin, new)
+                # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d is
+                # NaN.
+                acc_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, new, cur)
 
-            def k_chunk(kc, d):
-                k0 = pl.multiple_of(kc * ck, ck)
-                x = lhs_ref[pl.ds(s, rows), pl.ds(k0, ck)]
-                if transpose_rhs:
-                    w = rhs_ref[pl.ds(n0, cn), pl.ds(k0, ck)]
-                else:
-                    w = rhs_ref[pl.ds(k0, ck), pl.ds(n0, cn)]
-                if quantised:
-                    w = w.astype(compute_dtype)  # exact: int8 and e4m3 values fit in bf16
-                if k_tail:
-                    # Past K the last K block holds whatever lay beyond the array: zero it in
-                    # both operands (0 * NaN would still be NaN).
-                    kpos = kb * tk + k0
-                    x = jnp.where(kpos + jax.lax.broadcasted_iota(jnp.int32, (1, ck), 1) < k_size,
-                                  x, jnp.zeros_like(x))
-                    if transpose_rhs:
-                        ok = kpos + jax.lax.broadcasted_iota(jnp.int32, (1, ck), 1) < k_size
-                    else:
-                        ok = kpos + jax.lax.broadcasted_iota(jnp.int32, (ck, 1), 0) < k_size
-                    w = jnp.where(ok, w, jnp.zeros_like(w))
-                dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-                return d + jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-
-            d = jax.lax.fori_loop(0, tk // ck, k_chunk, jnp.zeros((rows, cn), jnp.float32))
-            cur = acc_ref[pl.ds(s, rows), pl.ds(n0, cn)]
-            new = cur + d
-            if quantised:
-                # Per-output-channel scales of this item's group, applied once to the finished sum.
-                scale = scale_ref[:, pl.ds(n0, cn)].astype(jnp.float32)
-                new = jnp.where(is_last_k, new * scale, new)
-            # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d is NaN.
-            acc_ref[pl.ds(s, rows), pl.ds(n0, cn)] = jnp.where(row_ok, new, cur)
-            return carry
-
-        jax.lax.fori_loop(0, tn // cn, n_chunk, 0)
+        _over_chunks(wcols, cn, columns)
 
     _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
     @pl.when(((flags & F_LAST) != 0) & is_last_k)
     def _store():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        if activation is None:
+            out_ref[...] = acc_refs[0][...].astype(out_ref.dtype)
+        elif layout == "concatenated":
+            h = gated_activation(acc_refs[0][...], acc_refs[1][...], activation)
+            out_ref[...] = h.astype(out_ref.dtype)
+        else:
+            out_ref[...] = _interleaved_epilogue(acc_refs[0][...], activation, tn, n_valid, nb,
+                                                 out_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("transpose_rhs", "out_dtype", "tiling", "interpret", "generation"),
-)
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional[jax.Array] = None,
-        *, transpose_rhs: bool = False, out_dtype=None, tiling: Optional[GmmTiling] = None,
-        interpret=False, generation: Optional[str] = None) -> jax.Array:
-    """out[rows of group g] = lhs[rows of g] @ rhs[g] (rhs[g].T with transpose_rhs).
+def _interleaved_epilogue(acc, activation, tn, n_valid, nb, out_dtype):
+    """acc (rows, 2 tn): lanes 2j (gate) and 2j + 1 (up) -> (rows, tn) of act(gate) * up.
 
-    lhs [M, K]; rhs [G, K, N] or, with transpose_rhs, [G, N, K]; group_sizes int32 [G] with
-    sum <= M (rows past the sum come out zero). int8 / float8_e4m3fn rhs needs `scales` f32 [G, N]
-    (per output channel): out = (lhs @ rhs_q[g]) * scales[g]. f32 accumulation; output dtype
-    `out_dtype` (default lhs dtype). `tiling`: a GmmTiling (default: tiling.gmm_tiling for
-    `generation`). `interpret`: False on TPU, True or pltpu.InterpretParams on CPU.
-    """
+    A lane rotation brings up_j next to gate_j; the even lanes are then compacted by an exact 0/1
+    selection matmul. Odd lanes and lanes past the array's last column (an edge block reads
+    whatever lies there) are zeroed first, so only the row's own values reach its output."""
+    w2 = 2 * tn
+    up = pltpu.roll(acc, w2 - 1, 1)  # up[:, c] = acc[:, c + 1]
+    h = gated_activation(acc, up, activation)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, w2), 1)
+    keep = (lane % 2 == 0) & (nb * w2 + lane < 2 * n_valid)
+    h = jnp.where(keep, h, 0.0)
+    r = jax.lax.broadcasted_iota(jnp.int32, (w2, tn), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (w2, tn), 1)
+    if jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16):
+        # Round first: one bf16 pass then picks exactly the rounded value.
+        sel = (r == 2 * c).astype(jnp.bfloat16)
+        out = jnp.dot(h.astype(jnp.bfloat16), sel, preferred_element_type=jnp.float32)
+    else:
+        sel = (r == 2 * c).astype(jnp.float32)
+        out = jnp.dot(h, sel, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, tiling, interpret,
+              generation, activation, layout, lp_scheduler):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    n_rhs_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    gated = activation is not None
+    n = n_rhs_cols // 2 if gated else n_rhs_cols  # output columns
     quantised = jnp.dtype(rhs.dtype) in QUANTISED_DTYPES
-    if quantised and scales is None:
-        raise ValueError(f"gmm: rhs of dtype {rhs.dtype} needs scales f32 [G, N]")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    if m == 0 or n == 0:
-        return jnp.zeros((m, n), out_dtype)
-    if k == 0 or num_groups == 0:
+    if m == 0 or n == 0 or k == 0 or num_groups == 0:
+        if gated and k == 0 and m and n and num_groups:
+            # lhs @ W = 0 (+ bias): the activation of a zero pre-activation is still computed.
+            raise ValueError("gmm_gated: K must be positive")
         return jnp.zeros((m, n), out_dtype)
     t = tiling or _tiling.gmm_tiling(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
-                                     num_groups=num_groups, generation=generation)
+                                     num_groups=num_groups, generation=generation,
+                                     gate_layout=layout if gated else None)
     tm, tk, tn = t.tm, t.tk, t.tn
+    if gated:
+        _tiling.check_gated_tn(tn, n, layout)
     unit = _tiling.row_unit(lhs.dtype)
     buckets = _tiling.bucket_sizes(tm, unit)
     L = _tiling.work_list_length(m, tm, num_groups)
     kt, nt = pl.cdiv(k, tk), pl.cdiv(n, tn)
     wl = _tiling.work_list(group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets,
                            unit=unit, kind="gmm", xp=jnp)
+    # Column blocks of the rhs per output tile nb: (block width, block index of each weight ref).
+    if not gated:
+        wcols, col_blocks = tn, [lambda nb: nb]
+    elif layout == "concatenated":
+        wcols, col_blocks = tn, [lambda nb: nb, lambda nb: nb + n // tn]
+    else:
+        wcols, col_blocks = 2 * tn, [lambda nb: nb]
+    n_rhs = len(col_blocks)
 
     def k_of(j, kb, wl_ref):
         # Items without MXU work stay on the last K block: the block the previous step left.
@@ -208,29 +335,42 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
     def lhs_map(nb, j, kb, wl_ref):
         return _field(wl_ref, "TILE", j, L), k_of(j, kb, wl_ref)
 
-    if transpose_rhs:
-        rhs_spec = pl.BlockSpec(
-            (None, tn, tk), lambda nb, j, kb, wl_ref: (_field(wl_ref, "GROUP", j, L), nb,
-                                                         k_of(j, kb, wl_ref)))
-    else:
-        rhs_spec = pl.BlockSpec(
-            (None, tk, tn), lambda nb, j, kb, wl_ref: (_field(wl_ref, "GROUP", j, L),
-                                                         k_of(j, kb, wl_ref), nb))
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), rhs_spec]
-    args = [lhs, rhs]
+    def rhs_spec(col):
+        if transpose_rhs:
+            return pl.BlockSpec((None, wcols, tk), lambda nb, j, kb, wl_ref: (
+                _field(wl_ref, "GROUP", j, L), col(nb), k_of(j, kb, wl_ref)))
+        return pl.BlockSpec((None, tk, wcols), lambda nb, j, kb, wl_ref: (
+            _field(wl_ref, "GROUP", j, L), k_of(j, kb, wl_ref), col(nb)))
+
+    def row_vector_spec(col):  # per-group (1, wcols) rows of scales / bias
+        return pl.BlockSpec((None, 1, wcols), lambda nb, j, kb, wl_ref: (
+            _field(wl_ref, "GROUP", j, L), 0, col(nb)))
+
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map)] + [rhs_spec(c) for c in col_blocks]
+    args = [lhs] + [rhs] * n_rhs
     if quantised:
-        in_specs.append(pl.BlockSpec(
-            (None, 1, tn), lambda nb, j, kb, wl_ref: (_field(wl_ref, "GROUP", j, L), 0, nb)))
-        args.append(scales.astype(jnp.float32).reshape(num_groups, 1, n))
+        in_specs += [row_vector_spec(c) for c in col_blocks]
+        args += [scales.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)] * n_rhs
+    has_bias = bias is not None
+    if has_bias:
+        in_specs += [row_vector_spec(c) for c in col_blocks]
+        args += [bias.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)] * n_rhs
     out_spec = pl.BlockSpec((tm, tn), lambda nb, j, kb, wl_ref: (_field(wl_ref, "OUT", j, L), nb))
 
     compute_dtype = lhs.dtype
+    scratch = [pltpu.VMEM((tm, wcols), jnp.float32) for _ in range(n_rhs)]
+    if quantised or k % tk:
+        wshape = (wcols, tk) if transpose_rhs else (tk, wcols)
+        scratch += [pltpu.VMEM(wshape, compute_dtype) for _ in range(n_rhs)]
     need = _tiling.gmm_vmem_bytes(tm, tk, tn, lhs.dtype, rhs.dtype, out_dtype, k=k,
-                                  quantised=quantised)
+                                  quantised=quantised, gate_layout=layout if gated else None)
+    cost = _tiling.call_cost("gmm", m, k, n, num_groups, lhs.dtype, rhs.dtype, out_dtype, t,
+                             activation=activation, gate_layout=layout if gated else None)
     kernel = functools.partial(
         _gmm_kernel, L=L, kt=kt, k_size=k, tk=tk, tn=tn, buckets=buckets, unit=unit,
-        rc=_tiling.row_chunk(tm),
-        transpose_rhs=transpose_rhs, quantised=quantised, compute_dtype=compute_dtype)
+        rc=_tiling.row_chunk(tm), transpose_rhs=transpose_rhs, quantised=quantised,
+        has_bias=has_bias, n_rhs=n_rhs, activation=activation, layout=layout, n_valid=n,
+        compute_dtype=compute_dtype)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -239,16 +379,81 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
             grid=(nt, L, kt),
             in_specs=in_specs,
             out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            scratch_shapes=scratch,
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_tiling.vmem_limit(t, need, generation),
-        ),
+        compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
+                                         _tiling.vmem_limit(t, need, generation), lp_scheduler),
+        cost_estimate=_cost_estimate(cost),
         interpret=interpret,
-        name="ragged_dot_gmm",
+        name="ragged_dot_gmm_gated" if gated else "ragged_dot_gmm",
     )
     return call(wl, *args)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("transpose_rhs", "out_dtype", "tiling", "interpret", "generation",
+                     "lp_scheduler"),
+)
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional[jax.Array] = None,
+        *, transpose_rhs: bool = False, out_dtype=None, tiling: Optional[GmmTiling] = None,
+        interpret=False, generation: Optional[str] = None,
+        lp_scheduler: Optional[bool] = None) -> jax.Array:
+    """out[rows of group g] = lhs[rows of g] @ rhs[g] (rhs[g].T with transpose_rhs).
+
+    lhs [M, K]; rhs [G, K, N] or, with transpose_rhs, [G, N, K]; group_sizes int32 [G] with
+    sum <= M (rows past the sum come out zero). int8 / float8_e4m3fn rhs needs `scales` f32 [G, N]
+    (per output channel): out = (lhs @ rhs_q[g]) * scales[g]. f32 accumulation; output dtype
+    `out_dtype` (default lhs dtype). `tiling`: a GmmTiling (default: tiling.gmm_tiling for
+    `generation`). `interpret`: False on TPU, True or pltpu.InterpretParams on CPU.
+    `lp_scheduler`: pass the LP LLO-scheduler flag to Mosaic (default: tiling.use_lp_scheduler).
+    """
+    quantised = jnp.dtype(rhs.dtype) in QUANTISED_DTYPES
+    if quantised and scales is None:
+        raise ValueError(f"gmm: rhs of dtype {rhs.dtype} needs scales f32 [G, N]")
+    if lp_scheduler is None:
+        lp_scheduler = _tiling.use_lp_scheduler(generation)
+    return _gmm_call(lhs, rhs, group_sizes, scales, None, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, tiling=tiling, interpret=interpret,
+                     generation=generation, activation=None, layout=None,
+                     lp_scheduler=lp_scheduler)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("activation", "layout", "transpose_rhs", "out_dtype", "tiling", "interpret",
+                     "generation", "lp_scheduler"),
+)
+def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+              bias: Optional[jax.Array] = None, *, activation: str = "silu",
+              layout: str = "concatenated", transpose_rhs: bool = False, out_dtype=None,
+              tiling: Optional[GmmTiling] = None, interpret=False,
+              generation: Optional[str] = None, lp_scheduler: Optional[bool] = None) -> jax.Array:
+    """The gate_up projection of a gated MLP with its activation fused: [M, I] =
+    act(gate) * up of h = lhs @ rhs[g] (+ bias[g]), h [M, 2I] never written to HBM.
+
+    rhs [G, K, 2I] (or [G, 2I, K] with transpose_rhs); `layout` "concatenated" (gate = columns
+    [0, I), up = [I, 2I)) or "interleaved" (gate = even columns, up = odd); `bias` [G, 2I] or None;
+    `activation` in ACTIVATIONS (see gated_activation). Rows past sum(group_sizes) come out zero.
+    Concatenated needs I % 128 == 0 (I % tn == 0 for the tile), except in interpret mode.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if layout not in GATE_LAYOUTS:
+        raise ValueError(f"layout: expected one of {GATE_LAYOUTS}, got {layout!r}")
+    two_i = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if two_i % 2:
+        raise ValueError(f"rhs: the gate_up dimension {two_i} must be even (gate and up halves)")
+    if jnp.dtype(rhs.dtype) in QUANTISED_DTYPES:
+        raise TypeError("rhs: gmm_gated takes float weights (bf16 / f32)")
+    if bias is not None and bias.shape != (rhs.shape[0], two_i):
+        raise ValueError(f"bias: expected shape {(rhs.shape[0], two_i)}, got {bias.shape}")
+    if lp_scheduler is None:
+        lp_scheduler = _tiling.use_lp_scheduler(generation)
+    return _gmm_call(lhs, rhs, group_sizes, None, bias, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, tiling=tiling, interpret=interpret,
+                     generation=generation, activation=activation, layout=layout,
+                     lp_scheduler=lp_scheduler)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -261,55 +466,39 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
     flags = _field(wl_ref, "FLAGS", j, L)
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
-    ck, cn = _chunk(tk), _chunk(tn)
-    nkc, nnc = tk // ck, tn // cn
-
-    def over_chunks(fn):
-        def body(idx, carry):
-            # lax.div/rem: jnp's floor division lowers through sign(), which Mosaic handles poorly.
-            fn(pl.multiple_of(jax.lax.div(idx, nnc) * ck, ck),
-               pl.multiple_of(jax.lax.rem(idx, nnc) * cn, cn))
-            return carry
-
-        jax.lax.fori_loop(0, nkc * nnc, body, 0)
 
     @pl.when((flags & F_FIRST) != 0)
     def _zero():
-        def zero(k0, n0):
-            acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)] = jnp.zeros((ck, cn), jnp.float32)
-
-        over_chunks(zero)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def window(s, rows, first_row):
         s = pl.multiple_of(s, unit)
         row_ok = _row_mask(s, rows, first_row, hi)
+        # Rows of other groups are zeroed in both operands: the matmul contracts over rows.
+        x = lhs_ref[pl.ds(s, rows), :]
+        x = jnp.where(row_ok, x, jnp.zeros_like(x))
+        cn = _n_chunk(tk, tn)
 
-        def accumulate(k0, n0):
-            # Rows of other groups are zeroed in both operands: the matmul contracts over rows.
-            x = lhs_ref[pl.ds(s, rows), pl.ds(k0, ck)]
+        def columns(n0):
             y = dout_ref[pl.ds(s, rows), pl.ds(n0, cn)]
-            x = jnp.where(row_ok, x, jnp.zeros_like(x))
             y = jnp.where(row_ok, y, jnp.zeros_like(y))
-            acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)] += jax.lax.dot_general(
+            acc_ref[:, pl.ds(n0, cn)] += jax.lax.dot_general(
                 x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-        over_chunks(accumulate)
+        _over_chunks(tn, cn, columns)
 
     _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
     @pl.when((flags & F_LAST) != 0)
     def _store():
-        def store(k0, n0):
-            out_ref[pl.ds(k0, ck), pl.ds(n0, cn)] = (
-                acc_ref[pl.ds(k0, ck), pl.ds(n0, cn)].astype(out_ref.dtype))
-
-        over_chunks(store)
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("out_dtype", "tiling", "interpret", "generation"))
-def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None, tiling: Optional[TgmmTiling] = None, interpret=False,
-         generation: Optional[str] = None) -> jax.Array:
+    jax.jit, static_argnames=("out_dtype", "tiling", "interpret", "generation", "lp_scheduler"))
+def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+         tiling: Optional[TgmmTiling] = None, interpret=False,
+         generation: Optional[str] = None, lp_scheduler: Optional[bool] = None) -> jax.Array:
     """out[g] = lhs[rows of g].T @ dout[rows of g]: lhs [M, K], dout [M, N] -> [G, K, N].
 
     Empty groups give exact zeros; rows past sum(group_sizes) are ignored. f32 accumulation,
@@ -321,6 +510,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if m == 0 or k == 0 or n == 0 or num_groups == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
+    if lp_scheduler is None:
+        lp_scheduler = _tiling.use_lp_scheduler(generation)
     t = tiling or _tiling.tgmm_tiling(m, k, n, lhs.dtype, dout.dtype, out_dtype,
                                       num_groups=num_groups, generation=generation)
     tm, tk, tn = t.tm, t.tk, t.tn
@@ -331,6 +522,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     wl = _tiling.work_list(group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets,
                            unit=unit, kind="tgmm", xp=jnp)
     need = _tiling.tgmm_vmem_bytes(tm, tk, tn, lhs.dtype, dout.dtype, out_dtype)
+    cost = _tiling.call_cost("tgmm", m, k, n, num_groups, lhs.dtype, dout.dtype, out_dtype, t)
     call = pl.pallas_call(
         functools.partial(_tgmm_kernel, L=L, tk=tk, tn=tn, buckets=buckets, unit=unit,
                           rc=_tiling.row_chunk(tm)),
@@ -346,10 +538,9 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
                 (None, tk, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "OUT", j, L), kb, nb)),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_tiling.vmem_limit(t, need, generation),
-        ),
+        compiler_params=_compiler_params(("parallel", "parallel", "arbitrary"),
+                                         _tiling.vmem_limit(t, need, generation), lp_scheduler),
+        cost_estimate=_cost_estimate(cost),
         interpret=interpret,
         name="ragged_dot_tgmm",
     )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gmm_reference", "tgmm_reference", "dequantise"]
+__all__ = ["gmm_reference", "gmm_gated_reference", "gated_activation_reference",
+           "tgmm_reference", "dequantise"]
 
 
 def _f64(a) -> np.ndarray:
@@ -43,6 +44,47 @@ def gmm_reference(lhs, rhs, group_sizes, scales=None, *, transpose_rhs: bool = F
         if e > s:
             out[s:e] = x[s:e] @ w[g]
     return out.astype(np.float32)
+
+
+def gated_activation_reference(h, activation: str, layout: str) -> np.ndarray:
+    """act(gate) * up of a pre-activation h [..., 2I] in float64 (erf from math, elementwise)."""
+    import math
+
+    h = np.asarray(h, np.float64)
+    if layout == "concatenated":
+        gate, up = np.split(h, 2, axis=-1)
+    else:
+        gate, up = h[..., 0::2], h[..., 1::2]
+
+    def sigmoid(x):
+        with np.errstate(over="ignore"):
+            return 1.0 / (1.0 + np.exp(-x))
+
+    if activation == "silu":
+        return gate * sigmoid(gate) * up
+    if activation == "gelu":
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        return 0.5 * gate * (1.0 + erf(gate / math.sqrt(2.0))) * up
+    if activation == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)
+        return 0.5 * gate * (1.0 + np.tanh(inner)) * up
+    if activation == "gpt_oss_swiglu":  # transformers' GptOssExperts._apply_gate
+        gate = np.minimum(gate, 7.0)
+        up = np.clip(up, -7.0, 7.0)
+        return (up + 1.0) * (gate * sigmoid(gate * 1.702))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def gmm_gated_reference(lhs, rhs, group_sizes, bias=None, *, activation: str, layout: str,
+                        transpose_rhs: bool = False) -> np.ndarray:
+    """act(gate) * up of h = lhs[rows of g] @ rhs[g] (+ bias[g]); rows past the sum are zero."""
+    h = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(np.float64)
+    m = h.shape[0]
+    if bias is not None:
+        b = _f64(bias)
+        for g, (s, e) in enumerate(zip(*_offsets(group_sizes, m))):
+            h[s:e] += b[g]
+    return gated_activation_reference(h, activation, layout).astype(np.float32)
 
 
 def tgmm_reference(lhs, dout, group_sizes) -> np.ndarray:

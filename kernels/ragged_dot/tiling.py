@@ -12,6 +12,9 @@ tiles whose VMEM need fits in half of the core's VMEM. The VMEM budget model cou
 the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
 scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
 is merged into the accumulator. Any of tm / tk / tn can be overridden; the rest are searched.
+The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
+(concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
+`call_cost` gives every pallas_call its CostEstimate from the same closed forms.
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ __all__ = [
     "estimate_cost",
     "GMM_FIELDS",
     "TGMM_FIELDS",
+    "ACTIVATIONS",
+    "GATE_LAYOUTS",
+    "call_cost",
+    "check_gated_tn",
+    "use_lp_scheduler",
 ]
+
+# Gated activations the gate_up gmm can fuse into its epilogue, and the gate/up column layouts.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss_swiglu")
+GATE_LAYOUTS = ("concatenated", "interleaved")
 
 # Work-list fields, stored field-major in one int32 array of length len(FIELDS) * L in SMEM.
 #   OUT: block index of the output (row tile for gmm, group for tgmm); padding repeats the last.
@@ -115,10 +127,16 @@ class TgmmTiling:
     vmem_limit_bytes: Optional[int] = None
 
 
-def gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False) -> int:
-    """VMEM the gmm kernel holds for these tiles (see the module docstring)."""
+def gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False,
+                   gate_layout=None) -> int:
+    """VMEM the gmm kernel holds for these tiles (see the module docstring). `tn` is the output
+    tile; a gated gmm (`gate_layout` given) holds 2 * tn weight / accumulator columns per output
+    tile, plus the epilogue's activation values."""
     lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
-    need = 2 * tm * tk * lb + 2 * tk * tn * wb + 2 * tm * tn * ob  # double-buffered blocks
+    out_tn = tn
+    if gate_layout is not None:
+        tn = 2 * tn
+    need = 2 * tm * tk * lb + 2 * tk * tn * wb + 2 * tm * out_tn * ob  # double-buffered blocks
     need += tm * tn * 4  # f32 accumulator
     need += 2 * tm * tn * 4  # f32 matmul result and the merged value before the select
     if quantised:
@@ -126,6 +144,10 @@ def gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quant
         need += tk * tn * lb  # weights dequantised to the lhs dtype
     if k is not None and k % tk:
         need += tm * tk * lb + tk * tn * max(wb, lb)  # masked copies of the last K block
+    if gate_layout is not None:
+        need += tm * tn * 4  # activation values of the epilogue
+        if gate_layout == "interleaved":
+            need += tn * out_tn * 4  # the lane-selection matrix
     return need
 
 
@@ -136,6 +158,65 @@ def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
     need += 2 * tk * tn * 4  # matmul result and merged value
     need += tm * tk * lb + tm * tn * db  # row-masked operand copies
     return need
+
+
+def _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout=None):
+    """HBM bytes and grid steps of gmm with evenly sized groups (the closed form behind the tile
+    search and the pallas_call cost estimate): lhs once per N tile; weights once per group when K
+    is whole, else once per item; the output once. A gated gmm reads 2 * n weight columns."""
+    kt, nt = -(-k // tk), -(-n // tn)
+    wn = 2 * n if gate_layout is not None else n
+    groups_read = min(num_groups, m) if kt == 1 else items
+    nbytes = nt * m * k * lb + groups_read * k * wn * wb + m * n * ob
+    return nbytes, nt * items * kt
+
+
+def _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items):
+    kt, nt = -(-k // tk), -(-n // tn)
+    nbytes = nt * m * k * lb + kt * m * n * db + num_groups * k * n * ob
+    return nbytes, kt * nt * items
+
+
+def _epilogue_flops(m, n, tn, gate_layout) -> int:
+    """The interleaved epilogue's lane-selection matmul: (tm, 2 tn) x (2 tn, tn) per output tile."""
+    return 2 * m * 2 * tn * n if gate_layout == "interleaved" else 0
+
+
+def call_cost(kind: str, m: int, k: int, n: int, num_groups: int, lhs_dtype, rhs_dtype, out_dtype,
+              tiling, *, activation: Optional[str] = None,
+              gate_layout: Optional[str] = None) -> dict:
+    """The pallas_call's CostEstimate fields, from the closed forms of the tile search (group sizes
+    are traced inside jit, so groups are taken evenly sized): flops = 2 * (M + expected row
+    padding) * K * N (x2 for the gated gate and up halves, plus the interleaved epilogue's
+    selection matmul), transcendentals = one exp / erf / tanh per output element of a fused
+    activation, bytes_accessed = the HBM traffic of _gmm_traffic / _tgmm_traffic."""
+    lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    if kind == "gmm":
+        unit = row_unit(lhs_dtype)
+        items = -(-m // tm) + min(num_groups, m)
+        nbytes, _ = _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout)
+    else:
+        unit = row_unit(lhs_dtype, rhs_dtype)
+        items = -(-m // tm) + num_groups
+        nbytes, _ = _tgmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items)
+    flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
+    transcendentals = 0
+    if gate_layout is not None:
+        flops = 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
+        # interleaved: the activation runs on all 2 tn lanes of a block before the compaction
+        transcendentals = m * n * (2 if gate_layout == "interleaved" else 1)
+    return {"flops": int(flops), "transcendentals": int(transcendentals),
+            "bytes_accessed": int(nbytes)}
+
+
+def use_lp_scheduler(generation: Optional[str] = None) -> bool:
+    """Whether the kernels pass Mosaic the LP LLO-scheduler flag on `generation` (decided from the
+    compiled gmm / tgmm schedules, README "ragged-dot-tpu")."""
+    return get_generation(generation).name in _LP_SCHEDULER_GENERATIONS
+
+
+_LP_SCHEDULER_GENERATIONS: tuple[str, ...] = ()
 
 
 def _budget(gen: TpuGeneration) -> int:
@@ -178,7 +259,25 @@ def _row_padding(rows_per_item: float, tm: int, unit: int) -> float:
     return max(unit - rows_per_item, rows_per_item / 3)
 
 
-def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
+def _gated_tn_candidates(n: int, layout: str) -> list[int]:
+    """Output tiles of a gated gmm: concatenated needs tn | I (the up block of output tile nb is
+    block nb + I / tn of the same array); interleaved takes 2 * tn columns per block, any
+    multiple of 64 (an edge block is masked), kept <= 512 because its epilogue's lane-selection
+    matmul costs 2 * tn / K of the tile's MXU work."""
+    if layout == "concatenated":
+        return [n] + [c for c in (4096, 2048, 1024, 512, 256, 128) if c < n and n % c == 0]
+    return ([n] if n <= 512 else []) + [c for c in (512, 256, 128, 64) if c < n]
+
+
+def check_gated_tn(tn: int, n: int, layout: str) -> None:
+    if layout == "concatenated" and n % tn:
+        raise ValueError(f"tiling: tn={tn} must divide the intermediate size {n} (concatenated "
+                         "gate/up: the up block sits I / tn blocks after the gate block)")
+    if layout == "interleaved" and tn != n and (2 * tn) % 128:
+        raise ValueError(f"tiling: tn={tn} must be a multiple of 64 or the intermediate size {n}")
+
+
+def _search(gen, m, k, n, num_groups, unit, ov, need, traffic, tn_cands=None, extra_flops=None):
     """The (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
     sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
     row tile, then to fewer grid steps. Fields given in `ov` are kept as given."""
@@ -186,7 +285,7 @@ def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
     best, smallest = None, None
     tms = _row_candidates(gen, m, unit, ov.get("tm"))
     tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
-    tns = [ov["tn"]] if ov.get("tn") else _dim_candidates(n)
+    tns = [ov["tn"]] if ov.get("tn") else (tn_cands or _dim_candidates(n))
     for tm in tms:
         for tk in tks:
             for tn in tns:
@@ -194,6 +293,8 @@ def _search(gen, m, k, n, num_groups, unit, ov, need, traffic):
                 items = -(-m // tm) + min(num_groups, m)
                 nbytes, steps = traffic(tm, tk, tn, items)
                 flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
+                if extra_flops is not None:
+                    flops = extra_flops(flops, tm, tk, tn)
                 key = (_modelled(gen, flops, nbytes, steps), tm != gen.mxu_size, steps)
                 if vm <= budget and (best is None or key < best[0]):
                     best = (key, (tm, tk, tn))
@@ -215,10 +316,12 @@ def _override(override, cls) -> dict:
 def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
                num_groups: int = 1, generation: Optional[str] = None,
                override: Optional[GmmTiling | dict] = None,
-               quantised: Optional[bool] = None) -> GmmTiling:
+               quantised: Optional[bool] = None, gate_layout: Optional[str] = None) -> GmmTiling:
     """Tiles for gmm on `generation` (default: the attached TPU's, else $PALLAS_TPU_GENERATION,
     else v6e). `override` (a GmmTiling or a dict with any of tm/tk/tn/vmem_limit_bytes) wins field
-    by field; the other fields are searched with the override's fixed."""
+    by field; the other fields are searched with the override's fixed. With `gate_layout` the
+    gmm is the gated gate_up projection: `n` is the intermediate size I (the output width), the
+    weights hold 2 * I columns."""
     gen = get_generation(generation)
     out_dtype = out_dtype or lhs_dtype
     if quantised is None:
@@ -228,20 +331,26 @@ def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
     lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
 
     def traffic(tm, tk, tn, items):
-        kt, nt = -(-k // tk), -(-n // tn)
-        # lhs once per N tile; weights once per group when K is whole, else once per item.
-        groups_read = min(num_groups, m) if kt == 1 else items
-        nbytes = nt * m * k * lb + groups_read * k * n * wb + m * n * ob
-        return nbytes, nt * items * kt
+        return _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout)
+
+    tn_cands = extra = None
+    if gate_layout is not None:
+        tn_cands = _gated_tn_candidates(n, gate_layout)
+
+        def extra(flops, tm, tk, tn):
+            return 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
 
     tm, tk, tn = _search(
         gen, m, k, n, num_groups, unit, ov,
         lambda tm, tk, tn: gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
-                                          quantised=quantised),
-        traffic)
+                                          quantised=quantised, gate_layout=gate_layout),
+        traffic, tn_cands, extra)
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
-    _check_tile("tn", tn, n, 128)
+    if gate_layout is None:
+        _check_tile("tn", tn, n, 128)
+    else:
+        check_gated_tn(tn, n, gate_layout)
     return GmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
 
 
@@ -256,9 +365,7 @@ def tgmm_tiling(m: int, k: int, n: int, lhs_dtype, dout_dtype, out_dtype=None, *
     lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
 
     def traffic(tm, tk, tn, items):
-        kt, nt = -(-k // tk), -(-n // tn)
-        nbytes = nt * m * k * lb + kt * m * n * db + num_groups * k * n * ob
-        return nbytes, kt * nt * items
+        return _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items)
 
     tm, tk, tn = _search(
         gen, m, k, n, num_groups, unit, ov,
@@ -388,7 +495,8 @@ def _fields(wl: np.ndarray) -> dict[str, np.ndarray]:
 def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_dtype="bfloat16",
                   rhs_dtype="bfloat16", out_dtype=None, transpose_rhs: bool = False,
                   tiling=None, generation: Optional[str] = None,
-                  count_work_list: bool = False, padded_edge_blocks: bool = False) -> KernelCost:
+                  count_work_list: bool = False, padded_edge_blocks: bool = False,
+                  gate_layout: Optional[str] = None, has_bias: bool = False) -> KernelCost:
     """What one call of `kind` ("gmm" or "tgmm") does, for concrete `group_sizes`.
 
     gmm: lhs [M, K], rhs [G, K, N] ([G, N, K] with transpose_rhs); int8/fp8 rhs adds f32 scales
@@ -402,6 +510,8 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
     min_hbm_bytes: the rows inside groups of lhs (and dout) and the weights of non-empty groups read
     once, the output written once. useful_flops = 2 * rows in groups * K * N; mxu_flops counts every
     matmul the kernel issues at its (rows of full chunks and tail window, tk, tn) size.
+    gmm with `gate_layout` ("concatenated" / "interleaved"): the gated gate_up gmm, rhs holding
+    2I columns, output [M, I]; `has_bias` counts its per-group f32 bias rows [G, 2I].
     """
     gs = np.asarray(group_sizes, dtype=np.int64)
     lhs_dtype = np.dtype(lhs_dtype)
@@ -416,10 +526,13 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
             _, n, k2 = rhs_or_dout_shape
         else:
             _, k2, n = rhs_or_dout_shape
+        wn = n  # weight columns
+        if gate_layout is not None:
+            n = wn // 2
         quantised = wb == 1
         t = tiling if isinstance(tiling, GmmTiling) else gmm_tiling(
             m, k, n, lhs_dtype, rhs_dtype, out_dtype, num_groups=num_groups, generation=generation,
-            override=tiling)
+            override=tiling, gate_layout=gate_layout)
         unit = row_unit(lhs_dtype)
     elif kind == "tgmm":
         _, n = rhs_or_dout_shape
@@ -454,6 +567,17 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
     bucket_rows = np.where(compute, wl["NFULL"] * row_chunk(tm) + tail_rows, 0)
 
     if kind == "gmm":
+        # Weight refs per output tile: (block width, column block of output tile nb).
+        if gate_layout is None:
+            wrefs = [(tn, lambda nb: nb)]
+        elif gate_layout == "concatenated":
+            wrefs = [(tn, lambda nb: nb), (tn, lambda nb: nb + n // tn)]
+        else:
+            wrefs = [(2 * tn, lambda nb: nb)]
+
+        def wcols(width, cb):
+            return width if padded_edge_blocks else min(width, wn - cb * width)
+
         prev = {"lhs": None, "rhs": None, "scale": None, "out": None}
         out_bytes = 0
         for nb in range(nt):
@@ -466,21 +590,24 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
                     if lhs_idx != prev["lhs"]:
                         hbm += rows(lhs_idx[0]) * kcols(kk) * lb
                     if rhs_idx != prev["rhs"]:
-                        hbm += kcols(kk) * ncols(nb) * wb
-                    if quantised and (rhs_idx[0], nb) != prev["scale"]:
-                        hbm += ncols(nb) * 4
+                        hbm += sum(kcols(kk) * wcols(w, cb(nb)) * wb for w, cb in wrefs)
+                    if (quantised or has_bias) and (rhs_idx[0], nb) != prev["scale"]:
+                        per_row = sum(wcols(w, cb(nb)) * 4 for w, cb in wrefs)
+                        hbm += per_row * (int(quantised) + int(has_bias))
                     if prev["out"] is not None and out_idx != prev["out"]:
                         out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
                     prev = {"lhs": lhs_idx, "rhs": rhs_idx, "scale": (rhs_idx[0], nb),
                             "out": out_idx}
                     if compute[j]:
-                        mxu += 2 * int(bucket_rows[j]) * tk * tn
+                        mxu += 2 * int(bucket_rows[j]) * tk * sum(w for w, _ in wrefs)
         out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
         hbm += out_bytes
-        min_bytes = (total * k * lb + nonempty * k * n * wb + m * n * ob
-                     + (nonempty * n * 4 if quantised else 0))
+        if gate_layout == "interleaved":  # the epilogue's selection matmul, once per out tile
+            mxu += nt * (-(-m // tm)) * 2 * tm * 2 * tn * tn
+        min_bytes = (total * k * lb + nonempty * k * wn * wb + m * n * ob
+                     + (nonempty * wn * 4 * (int(quantised) + int(has_bias))))
         vmem = gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
-                              quantised=quantised)
+                              quantised=quantised, gate_layout=gate_layout)
     else:
         prev = {"lhs": None, "dout": None, "out": None}
         out_bytes = 0
@@ -507,7 +634,7 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
     if count_work_list:
         hbm += len(GMM_FIELDS) * L * 4
     return KernelCost(
-        useful_flops=2 * total * k * n,
+        useful_flops=2 * total * k * n * (2 if gate_layout is not None else 1),
         mxu_flops=int(mxu),
         hbm_bytes=int(hbm),
         min_hbm_bytes=int(min_bytes),
