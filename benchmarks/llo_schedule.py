@@ -393,10 +393,13 @@ def dump_flags(dump_dir: str, name: str | None) -> str:
 
 
 def dump_schedule(target: str, generation: str, args: dict | None = None, name: str | None = None,
-                  dump_dir: str | None = None, timeout: int = 900) -> list[Schedule]:
+                  dump_dir: str | None = None, timeout: int = 900,
+                  hlo_out: str | None = None) -> list[Schedule]:
     """Compile `target` (`"module:function"`, called as function(generation, **args), which must
     compile its program, e.g. with tests/tpu_compile.compile_for) for `generation` in a fresh
-    process with the LLO dump on, and parse the Mosaic kernels whose op name contains `name`."""
+    process with the LLO dump on, and parse the Mosaic kernels whose op name contains `name`.
+    If the target returns the Compiled object and `hlo_out` is given, its HLO text is written
+    there (the compile's scoped-VMEM reservations live in it)."""
     keep = dump_dir is not None
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="llo-")
     env = dict(os.environ)
@@ -404,6 +407,8 @@ def dump_schedule(target: str, generation: str, args: dict | None = None, name: 
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-only", target,
            "--generation", generation, "--args", json.dumps(args or {})]
+    if hlo_out:
+        cmd += ["--hlo-out", hlo_out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"compile of {target} for {generation} failed:\n{proc.stderr[-3000:]}")
@@ -461,10 +466,13 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--list", action="store_true", help="list the named targets")
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hlo-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     if a.compile_only:  # inside the subprocess: compile and exit; libtpu writes the dump
-        _resolve(a.target)(a.generation, **json.loads(a.args))
+        compiled = _resolve(a.target)(a.generation, **json.loads(a.args))
+        if a.hlo_out and hasattr(compiled, "as_text"):
+            Path(a.hlo_out).write_text(compiled.as_text())
         return 0
     import schedule_targets
 

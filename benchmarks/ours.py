@@ -105,6 +105,22 @@ class RaggedDot(Adapter):
         return fn, [((shape.m, shape.k), dt), ((shape.experts, shape.k, shape.n), dt),
                     ((shape.experts,), jnp.int32)]
 
+    def schedule_trips(self, shape, generation):
+        """Exact trip counts from the kernel's own work list: full row windows (the hot loop's
+        iterations; one per column chunk when a weight block is cut along N) and tail windows
+        (one bucket region each), over every (N tile, K tile)."""
+        T, K = self.mod.tiling, self.mod.kernel
+        t = T.gmm_tiling(shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype,
+                         generation=generation)
+        unit = T.row_unit(shape.dtype)
+        wl = T._fields(T.work_list(np.asarray(shape.group_sizes, np.int32), m=shape.m, tm=t.tm,
+                                   buckets=T.bucket_sizes(t.tm, unit), unit=unit, kind="gmm"))
+        compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
+        tiles = -(-shape.n // t.tn) * -(-shape.k // t.tk)
+        chunks = t.tn // K._n_chunk(t.tk, t.tn)
+        return {"hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
+                "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles)}
+
 
 def _window_size(shape):
     # flash-attn convention (left, right); a window of w keys = the query's own key + w-1 before.
@@ -230,6 +246,12 @@ class PagedAttention(Adapter):
 
     def compile_args(self, shape, generation):
         return self._fn(shape, generation), self._avals(shape)
+
+    def hot_iteration_flops(self, shape, generation):
+        """One hot-loop iteration per work item (a q block against one KV block): the call's
+        issued MXU FLOPs spread over its grid steps."""
+        c, _ = self.cost(shape, generation)
+        return c.mxu_flops / max(c.grid_steps, 1)
 
 
 ADAPTERS = {"ragged_dot": RaggedDot(), "flash_attention": FlashAttention(),

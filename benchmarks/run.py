@@ -322,15 +322,21 @@ def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedul
         fn_avals = (a.compile_args(shape) if impl != "ours" else None)
         for g in TESTED_GENERATIONS:
             t0 = time.time()
-            fn, avals = fn_avals if impl != "ours" else a.compile_args(shape, g)
-            row["per_generation"].setdefault(g, {})["compile"] = compile_info(g, fn, avals)
-            log(f"  compiled {kind}/{shape.name}/{impl} for {g} in {time.time() - t0:.1f}s: "
-                f"{row['per_generation'][g]['compile']}")
-            if do_schedule and row["per_generation"][g]["compile"].get("compiles"):
-                t0 = time.time()
+            pg = row["per_generation"].setdefault(g, {})
+            sched = None
+            if do_schedule:
+                # One compile serves both columns: the dump's compile also gives the scoped VMEM.
                 c = per_gen_cost.get(g, cost)
                 sched = schedule_rows.schedule_entry(kind, impl, shape, g, c,
                                                      infos[g] if impl == "ours" else info)
+            if sched is not None and "error" not in sched and "vmem_bytes" in sched:
+                pg["compile"] = {"compiles": True, "vmem_bytes": sched.pop("vmem_bytes")}
+            else:
+                fn, avals = fn_avals if impl != "ours" else a.compile_args(shape, g)
+                pg["compile"] = compile_info(g, fn, avals)
+            log(f"  compiled {kind}/{shape.name}/{impl} for {g} in {time.time() - t0:.1f}s: "
+                f"{pg['compile']}")
+            if sched is not None and pg["compile"].get("compiles"):
                 row["per_generation"][g]["scheduled"] = sched
                 log(f"  scheduled {kind}/{shape.name}/{impl} for {g} in "
                     f"{time.time() - t0:.1f}s: {sched.get('scheduled_us')} us, hot MXU "

@@ -158,13 +158,30 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
                    idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions))
     else:
         nest = _top_child_containing(grid, hot) or hot
+        # MXU work outside the hot loop nest (tail windows of other sizes, masked edge tiles):
+        # alternative regions a computing step takes one of, charged at their mean.
+        side = []
+
+        def collect(regions):  # the largest MXU regions beside the nest, inside its ancestors
+            for r in regions:
+                if r.start <= nest.start and nest.end <= r.end:
+                    collect(r.children)
+                elif sched.region_segment(r).mxu_pushes:
+                    side.append(r)
+
+        collect(sched.regions(grid))
+        side_bundles = [r.bundles for r in side]
         out.update(hot_is_grid=False, hot_bundles=hot.own_bundles,
-                   per_step_overhead_bundles=grid.bundles - nest.bundles)
+                   per_step_overhead_bundles=grid.bundles - nest.bundles - sum(side_bundles),
+                   side_region_mean_bundles=(sum(side_bundles) / len(side_bundles)
+                                             if side_bundles else 0.0))
     return out
 
 
 def scheduled_from_work(model: dict, *, mxu_flops: float, grid_steps: float, hbm_bytes: float,
-                        flops_per_hot_iteration: float, generation) -> dict:
+                        generation, flops_per_hot_iteration: float | None = None,
+                        hot_iterations: float | None = None,
+                        side_region_runs: float | None = None) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
     `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration.
@@ -181,17 +198,24 @@ def scheduled_from_work(model: dict, *, mxu_flops: float, grid_steps: float, hbm
     bundles). DMA overlaps compute per step (double buffering); XLA's ops around the kernel are
     added at max(their bundles once, their HBM operands / bandwidth).
 
+    A kernel whose work list says exactly how many hot iterations run (`hot_iterations`) and how
+    many times one of its other MXU regions runs (`side_region_runs`: tail windows, masked edge
+    tiles, each charged the mean bundles of those regions) passes them instead of
+    `flops_per_hot_iteration`; without them every FLOP is charged at the hot loop's rate.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
-    per-iteration bundles), and the difference between masked edge tiles and interior tiles when
-    they compile to different loops (the hot loop is the one with the most MXU pushes).
+    per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
     clock, bw = generation.clock_hz, generation.hbm_bytes_per_s
-    iterations = mxu_flops / flops_per_hot_iteration
+    iterations = (hot_iterations if hot_iterations is not None
+                  else mxu_flops / flops_per_hot_iteration)
     if model.get("hot_is_grid"):
         busy = min(iterations, grid_steps)
         bundles = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
     else:
-        bundles = grid_steps * model["per_step_overhead_bundles"] + iterations * model["hot_bundles"]
+        bundles = (grid_steps * model["per_step_overhead_bundles"]
+                   + iterations * model["hot_bundles"]
+                   + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0))
     t_b = bundles / clock
     t_mxu = mxu_flops / generation.bf16_flops
     t_c = max(t_b, t_mxu)

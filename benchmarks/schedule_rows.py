@@ -90,8 +90,12 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
     full = f"ours:{kind}" if impl == "ours" else impl
     target, args, _ = schedule_targets.resolve(full, shape_name)
     t0 = time.time()
+    import tempfile
+
+    hlo = Path(tempfile.mkdtemp(prefix="hlo-")) / "program.hlo"
     try:
-        scheds = llo_schedule.dump_schedule(target, generation, args, name=None)
+        scheds = llo_schedule.dump_schedule(target, generation, args, name=None,
+                                            hlo_out=str(hlo))
     except Exception as e:  # a row that does not compile is a result, not a crash
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         entry = {"error": next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
@@ -115,6 +119,11 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
             "xla_hbm_operand_bytes": sum(s.hbm_operand_bytes for s in xla),
             "compile_seconds": round(time.time() - t0, 1),
         }
+        if hlo.exists():
+            import run
+
+            entry["vmem_bytes"] = run.compiled_vmem_bytes(hlo.read_text())
+            hlo.unlink()
         # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
         # when the closed forms change without compiling again.
         entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
@@ -136,12 +145,18 @@ def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dic
     hot = s.get("hot") or {}
     out["hot_mxu_occupancy"] = hot.get("occupancy", {}).get("MXU")
     out["hot_bundles"] = hot.get("bundles")
-    flops = hot_iteration_flops(kind, impl, shape, generation, info)
-    if flops and s["_model"].get("hot_is_grid") is not None:
+    trips = None
+    if impl == "ours":
+        import ours
+
+        fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)
+        trips = fn(shape, generation) if fn else None
+    flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info)
+    if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(
             s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,
             hbm_bytes=cost.hbm_bytes, flops_per_hot_iteration=flops,
-            generation=GENERATIONS[generation])
+            generation=GENERATIONS[generation], **(trips or {}))
         out.update(t)
         # The unit that bounds the call: DMA, the MXU floor, or the hot loop's fullest unit.
         out["bound"] = hot.get("bound") if t["bound"] == "bundles" else t["bound"]

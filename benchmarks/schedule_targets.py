@@ -38,8 +38,9 @@ def _kind_of(shape_name: str) -> str:
     raise KeyError(f"no named shape {shape_name!r}")
 
 
-def compile_row(generation: str, impl: str, shape: str) -> None:
-    """Compile the benchmark row (impl, shape) for `generation`, as benchmarks/run.py does."""
+def compile_row(generation: str, impl: str, shape: str):
+    """Compile the benchmark row (impl, shape) for `generation`, as benchmarks/run.py does;
+    returns the Compiled object."""
     import jax
 
     import tpu_compile
@@ -55,7 +56,7 @@ def compile_row(generation: str, impl: str, shape: str) -> None:
 
         fn, avals = run._anchor(kind, impl).compile_args(s)
     with jax.default_device(tpu_compile.tpu_device(generation)):
-        tpu_compile.compile_for(generation, fn, *avals)
+        return tpu_compile.compile_for(generation, fn, *avals)
 
 
 def plain_matmul(generation: str, m: int = 2048, k: int = 4096, n: int = 1024,

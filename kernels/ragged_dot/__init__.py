@@ -3,10 +3,12 @@
 Torch API: `ragged_dot`, `gmm` (forward, autograd: dlhs and tgmm), `gmm_gated` (the gate_up
 projection with act(gate) * up fused), `tgmm`, and the Transformers
 experts function `experts_forward` with `register()`. The JAX kernels are in `kernel`, the f32
-references in `reference`, tile choice and the cost model in `tiling`.
+references in `reference`, tile choice and the cost model in `tiling`, the expert-parallel MoE
+layer (shard_map over an `ep` mesh axis) in `expert_parallel`.
 """
 
-from . import _ops, integration, kernel, ops, reference, tiling
+from . import _ops, expert_parallel, integration, kernel, ops, reference, tiling
+from .expert_parallel import expert_parallel_moe, moe_layer, route_top_k
 from .integration import experts_forward, register
 from .ops import gmm, gmm_gated, ragged_dot, tgmm
 
