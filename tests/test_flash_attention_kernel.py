@@ -559,3 +559,44 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
         assert _no_races()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
+
+
+def _pallas_cost_estimates(jaxpr):
+    """The cost_estimate of every pallas_call in a (closed) jaxpr, nested calls included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn.params["cost_estimate"])
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    found += _pallas_cost_estimates(getattr(inner, "jaxpr", inner))
+    return found
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_pallas_calls_carry_estimate_cost(fused):
+    """Each pallas_call passes XLA the closed-form cost of tiling.estimate_cost: MXU FLOPs and
+    HBM bytes summed over the pass's calls, one exp per score element (+ the forward's rescale)."""
+    B, Hq, Hkv, S, D = 1, 4, 2, 256, 128
+    tiles = dataclasses.replace(WIDE, fused_bwd=fused, block_kv_bwd=32, block_kv_compute_bwd=16)
+    q, k = _rand(0, (B, Hq, S, D)), _rand(1, (B, Hkv, S, D))
+    cfg = dict(causal=True, window_size=(100, -1), tiles=tiles, interpret=True)
+    kw = dict(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, q_len=S, kv_len=S, head_dim=D,
+              dtype=jnp.float32, causal=True, window_size=(100, -1), tiles=tiles)
+    lse = jnp.zeros((B, Hq, S), jnp.float32)
+    for pass_, fn, args in (
+            ("fwd", lambda q, k: K.flash_attention_fwd(q, k, k, **cfg), (q, k)),
+            ("bwd", lambda q, k, lse: K.flash_attention_bwd(q, k, k, q, lse, q, **cfg)[:3],
+             (q, k, lse))):
+        got = _pallas_cost_estimates(jax.make_jaxpr(fn)(*args).jaxpr)
+        want = T.estimate_cost(pass_=pass_, **kw)
+        assert len(got) == (1 if pass_ == "fwd" or fused else 2)
+        assert sum(c.flops for c in got) == want.mxu_flops
+        assert sum(c.bytes_accessed for c in got) == want.hbm_bytes
+        assert all(c.transcendentals > 0 for c in got)
+        if pass_ == "fwd":
+            # one exp per computed score element plus one per row per score tile
+            rows_tiles = got[0].flops // (4 * 128 * tiles.block_kv_compute)
+            assert got[0].transcendentals == got[0].flops // (4 * 128) + rows_tiles

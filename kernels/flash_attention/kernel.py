@@ -28,10 +28,19 @@ which kv slices any of its rows can see and which all of its rows see, and loops
 those, with no mask inside the band and a mask only at its edges. So a sliding window or the
 causal diagonal costs masked work near the edge only, however large the DMA blocks. With segment
 ids every tile is masked, and a tile whose (min, max) document ids (from SMEM) miss the q tile's
-is skipped. Online softmax
-keeps f32 running max m and sum l per row in VMEM scratch (an attention sink starts them at
-m = sink, l = 1). At the last item of a q block the output and the log-sum-exp (lse, used by the
-backward) are written.
+is skipped. Online softmax keeps f32 running max m and sum l per row, lane-replicated
+[rows, 128], in VMEM scratch between items (an attention sink starts them at m = sink, l = 1).
+
+Forward schedule. A `fori_loop` that carries (m, l, acc) from one score tile to the next is one
+dependency chain (matmul, max, exp, sum, matmul), so the MXU, EUP and VPU take turns. Instead the
+score tiles of a q compute tile run in straight-line groups (several kv slices, the statistics
+carried as values) that the LLO scheduler interleaves: an item the band covers whole (the bulk
+of a long causal or windowed sequence) runs all its kv slices per q tile, two q tiles per region
+when the tile is <= 512 x 512; edge items run groups of FWD_UNROLL mask-free tiles, and the
+remainder joins the masked edge tiles in masked groups. Scores are base 2 (exp2, log2(e) and the
+softmax scale folded into the q tile once per group), the rescale exp is one per row per tile, and
+1 / l is taken once at the end. At the last item of a q block the output and the log-sum-exp
+(lse, used by the backward) are written.
 
 Backward: the same large-block / small-tile scheme (`_inner_ranges` serves all three kernels).
 dk/dv walk q blocks for each kv block (kv-major list): each kv slice visits the q tiles that can
@@ -280,22 +289,56 @@ def _mirror(band: Band) -> Band:
     return Band(-band.hi, -band.lo)
 
 
-def _visit(ranges, tile_fn, *, has_segments=False, meets=None):
+def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
     """Run tile_fn(i, masked) over the inner tiles of `ranges`: masked at the band's edges,
     mask-free inside it. With segment ids every tile is masked, and with `meets(i)` (segment-id
-    ranges in SMEM) tiles whose documents do not meet are skipped."""
+    ranges in SMEM) tiles whose documents do not meet are skipped.
+
+    With `unroll` (a power of two) tile_fn takes a list of tile indices instead, a static count
+    run as one straight-line region: the mask-free run goes in groups of `unroll` tiles, its
+    remainder in halving groups, so the scheduler can overlap the tiles of a group."""
     first, in_first, in_end, end = ranges
+    one = (lambda i, masked: tile_fn([i], masked)) if unroll else tile_fn
     if has_segments:
         def body(i, _):
             if meets is None:
-                tile_fn(i, True)
+                one(i, True)
             else:
-                pl.when(meets(i))(lambda: tile_fn(i, True))
+                pl.when(meets(i))(lambda: one(i, True))
         jax.lax.fori_loop(first, end, body, None)
         return
-    for lo, hi, masked in ((first, in_first, True), (in_first, in_end, False),
-                           (in_end, end, True)):
-        jax.lax.fori_loop(lo, hi, lambda i, _, masked=masked: tile_fn(i, masked), None)
+    if not unroll:
+        for lo, hi, masked in ((first, in_first, True), (in_first, in_end, False),
+                               (in_end, end, True)):
+            jax.lax.fori_loop(lo, hi, lambda i, _, masked=masked: one(i, masked), None)
+        return
+    log_u = unroll.bit_length() - 1
+
+    def groups(lo, hi, masked, remainder=True):
+        """[lo, hi) as groups of `unroll` tiles, then (with `remainder`) the rest in halving
+        groups (the binary digits of its length), each group one straight-line region."""
+        n = hi - lo  # >= 0; shifts and masks lower everywhere, integer division does not
+        full = n >> log_u
+        jax.lax.fori_loop(
+            0, full, lambda g, _: tile_fn([lo + (g << log_u) + u for u in range(unroll)], masked),
+            None)
+        if not remainder:
+            return lo + (full << log_u)
+        base = lo + (full << log_u)
+        size = unroll // 2
+        while size >= 1:
+            start = base + (n & (unroll - 1) & ~(2 * size - 1))
+            pl.when((n & size) != 0)(
+                lambda start=start, size=size: tile_fn([start + u for u in range(size)], masked))
+            size //= 2
+        return hi
+
+    groups(first, in_first, True)
+    # The mask-free run's remainder joins the trailing masked tiles (on the causal diagonal
+    # typically one): masking a few mask-free tiles costs less than running the diagonal tile
+    # alone, where nothing overlaps its softmax.
+    rest = groups(in_first, in_end, False, remainder=False)
+    groups(rest, end, True)
 
 
 def _range_table(q_ids, kv_ids, q_tile, kv_tile):
@@ -330,8 +373,32 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     return mask
 
 
+def _fwd_tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
+    """`_tile_mask` as two compares per score: each row's allowed key columns form one interval
+    [lo, hi] (its sequence's keys within the band; empty for a row outside its sequence), worked
+    out on lane-replicated [rows, 128] columns (1/bkc-th of the tile's elements) and then
+    compared with the column index."""
+    q_lo, q_hi, k_lo, k_hi, off = seq
+    rows = groups * bqc
+    t = (jax.lax.broadcasted_iota(jnp.int32, (rows, NUM_LANES), 0) & (bqc - 1)) + t0
+    lo = jnp.full((rows, NUM_LANES), k_lo - u0, jnp.int32)
+    hi = jnp.full((rows, NUM_LANES), k_hi - 1 - u0, jnp.int32)
+    if band.lo > -_UNBOUNDED:
+        lo = jnp.maximum(lo, t + (band.lo - off - u0))
+    if band.hi < _UNBOUNDED:
+        hi = jnp.minimum(hi, t + (band.hi - off - u0))
+    hi = jnp.where((t >= q_lo) & (t < q_hi), hi, -1)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, bkc), 1)
+    mask = (col >= _lanes(lo, bkc)) & (col <= _lanes(hi, bkc))
+    if ids is not None:
+        q_ids, kv_ids = ids
+        q_ids = jnp.concatenate([q_ids] * groups, axis=0) if groups > 1 else q_ids
+        mask = mask & (q_ids == kv_ids)
+    return mask
+
+
 def _walk_q_tiles(tile, *, b, qi, ki, block_q, block_kv, bqc, bkc, seq, band, has_segments,
-                  tile_ranges, ranges_ref):
+                  tile_ranges, ranges_ref, unroll=None):
     """Forward and dq: for each q compute tile of the item's q block (query tokens [t0, t0 + bqc),
     the G heads' rows r0 ... r0 + bqc), tile(r0, t0, c, masked) over the kv slices c of the item's
     kv block that the band lets it see."""
@@ -347,7 +414,7 @@ def _walk_q_tiles(tile, *, b, qi, ki, block_q, block_kv, bqc, bkc, seq, band, ha
             gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
             meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
         _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
-               meets=meets)
+               meets=meets, unroll=unroll)
         return None
 
     jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
@@ -393,9 +460,39 @@ def _pop_segment_refs(refs, has_segments):
 # -------------------------------------------------------------------------------------------------
 
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _lanes(x, width):
+    """A lane-replicated [rows, 128] statistic as [rows, width]: whole vregs repeated (no lane
+    broadcast), or a lane slice for widths under 128 (small interpret-mode tiles)."""
+    if width == NUM_LANES:
+        return x
+    if width < NUM_LANES:
+        return x[:, :width]
+    reps = -(-width // NUM_LANES)
+    y = jnp.concatenate([x] * reps, axis=1)
+    return y if reps * NUM_LANES == width else y[:, :width]
+
+
+def _row_reduce(x, op):
+    """op-reduce a [rows, n] f32 tile to a lane-replicated [rows, 128]: whole vregs are combined
+    elementwise first, so only one cross-lane reduction per 8 rows remains."""
+    n = x.shape[1]
+    if n > NUM_LANES and n % NUM_LANES == 0:
+        parts = [x[:, i * NUM_LANES:(i + 1) * NUM_LANES] for i in range(n // NUM_LANES)]
+        while len(parts) > 1:
+            parts = [op(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i]
+                     for i in range(0, len(parts), 2)]
+        x = parts[0]
+    red = jnp.max if op is jnp.maximum else jnp.sum
+    return jnp.broadcast_to(red(x, axis=1, keepdims=True), (x.shape[0], NUM_LANES))
+
+
 def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
                 block_q_compute, block_kv_compute, band, scale, softcap, has_sinks, has_segments,
-                tile_ranges):
+                tile_ranges, unroll):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     ranges_ref = refs.pop(0) if tile_ranges else None
@@ -406,7 +503,11 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
     qi, ki, si, flags = _current_item(items_ref, layout)
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
+    D = q_ref.shape[-1]
     seq = _seq_scalars(seq_ref, si, n_seq)
+    # Scores are kept in base 2 (exp2 is the EUP's native op): log2(e) rides on the scale
+    # multiply every score takes anyway, and m is the running max of the base-2 scores.
+    q_scale = scale / softcap if softcap else scale * LOG2E
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -414,60 +515,102 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         if has_sinks:
             # The sink joins the denominator: start the running max at it with sum exp(0) = 1.
             for g in range(groups):
-                m_ref[g] = jnp.full((block_q, NUM_LANES), sinks_ref[h * groups + g], jnp.float32)
+                m_ref[g] = jnp.full((block_q, NUM_LANES), sinks_ref[h * groups + g] * LOG2E,
+                                    jnp.float32)
             l_ref[...] = jnp.ones_like(l_ref)
         else:
             m_ref[...] = jnp.full_like(m_ref, NEG_INF)
             l_ref[...] = jnp.zeros_like(l_ref)
 
-    def tile(r0, t0, c, masked):
-        """One score tile: the q compute tile at row r0 of the block (tokens t0...) against kv
-        compute slice c, folded into the running statistics of those rows."""
+    def load(r0):
         rows = pl.ds(r0, bqc)
+        # The score scale (and log2(e), or 1 / softcap) is folded into the q tile once per group
+        # rather than into every score: one multiply per q element instead of per score.
+        q = q_ref[:, rows, :].reshape(rows_c, D)
+        q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+        return [q, m_ref[:, rows, :].reshape(rows_c, NUM_LANES),
+                l_ref[:, rows, :].reshape(rows_c, NUM_LANES),
+                acc_ref[:, rows, :].reshape(rows_c, D)]
+
+    def store(r0, state):
+        rows = pl.ds(r0, bqc)
+        _, m, l, acc = state
+        acc_ref[:, rows, :] = acc.reshape(groups, bqc, D)
+        m_ref[:, rows, :] = m.reshape(groups, bqc, NUM_LANES)
+        l_ref[:, rows, :] = l.reshape(groups, bqc, NUM_LANES)
+
+    def step(state, r0, t0, c, masked):
+        """One score tile (q compute tile at row r0 / token t0, kv compute slice c) folded into
+        the running statistics, which stay values (lane-replicated [rows, 128])."""
+        q, m, l, acc = state
         keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
-        q = q_ref[:, rows, :].reshape(rows_c, q_ref.shape[-1])
-        k = k_ref[keys, :]
-        v = v_ref[keys, :]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = jax.lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
-        s, _ = _scores(s, scale, softcap)
-        m_prev = m_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
-        l_prev = l_ref[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
+        if softcap:
+            s = jnp.tanh(s) * (softcap * LOG2E)
         if masked:
-            ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
-            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
-            m_cur = jnp.max(jnp.where(mask, s, NEG_INF), axis=1, keepdims=True)
-            m_new = jnp.maximum(m_prev, m_cur)
-            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        else:
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
-        alpha = jnp.exp(m_prev - m_new)
-        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-        acc = acc_ref[:, rows, :].reshape(rows_c, acc_ref.shape[-1])
-        acc_ref[:, rows, :] = (acc * alpha + pv).reshape(groups, bqc, acc_ref.shape[-1])
-        stat_shape = (groups, bqc, NUM_LANES)
-        m_ref[:, rows, :] = jnp.broadcast_to(m_new, (rows_c, NUM_LANES)).reshape(stat_shape)
-        l_ref[:, rows, :] = jnp.broadcast_to(l_new, (rows_c, NUM_LANES)).reshape(stat_shape)
+            ids = (qseg_ref[pl.ds(r0, bqc), 0:1], kseg_ref[c][0:1, :]) if has_segments else None
+            mask = _fwd_tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
+            # A row that has seen no key yet keeps m = NEG_INF and gathers exp2(0) = 1 per
+            # masked key; the first key it sees scales that away (alpha = 0), and a row that
+            # never sees one is told apart by m at the end.
+            s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, _row_reduce(s, jnp.maximum))
+        p = jnp.exp2(s - _lanes(m_new, bkc))
+        alpha = jnp.exp2(m - m_new)
+        l = alpha * l + _row_reduce(p, jnp.add)
+        pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[keys, :],
+                                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return [q, m_new, l, acc * _lanes(alpha, D) + pv]
+
+    def tiles(r0, t0, cs, masked):
+        """Score tiles of one q compute tile against the kv compute slices `cs`, a static count
+        in straight-line code: the scheduler overlaps one tile's softmax with the next one's
+        matmuls."""
+        state = load(r0)
+        for c in cs:
+            state = step(state, r0, t0, c, masked)
+        store(r0, state)
+
+    n_qt, n_ks = block_q // bqc, block_kv // bkc
+
+    def interior_item():
+        """Every (q tile, kv slice) of the item, mask-free, as one straight-line region: the q
+        tiles' chains are independent, so the scheduler interleaves them (the bulk of a long
+        causal or windowed sequence takes this path)."""
+        def q_tile(j, _):
+            tiles(pl.multiple_of(j * bqc, bqc), None, range(n_ks), False)
+
+        small = rows_c * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
+        jax.lax.fori_loop(0, n_qt, q_tile, None, unroll=INTERIOR_Q_UNROLL if small else 1)
 
     @pl.when((flags & VALID) != 0)
     def _compute():
-        _walk_q_tiles(tile, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
-                      bkc=bkc, seq=seq, band=band, has_segments=has_segments,
-                      tile_ranges=tile_ranges, ranges_ref=ranges_ref)
+        walk = functools.partial(
+            _walk_q_tiles, tiles, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
+            bkc=bkc, seq=seq, band=band, has_segments=has_segments, tile_ranges=tile_ranges,
+            ranges_ref=ranges_ref, unroll=unroll)
+        if has_segments:
+            walk()
+            return
+        q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
+        _, in_first, in_end, _ = _inner_ranges(
+            qi * block_q, block_q, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
+            ki * block_kv, block_kv, bkc)
+        interior = (in_first == 0) & (in_end == n_ks)
+        pl.when(interior)(interior_item)
+        pl.when(jnp.logical_not(interior))(walk)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
         rows = groups * block_q
         l = l_ref[...].reshape(rows, NUM_LANES)[:, 0:1]
         m = m_ref[...].reshape(rows, NUM_LANES)[:, 0:1]
-        seen = l > 0.0
+        seen = m > 0.5 * NEG_INF
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o = acc_ref[...].reshape(rows, acc_ref.shape[-1]) * inv
         o_ref[...] = o.reshape(o_ref.shape).astype(o_ref.dtype)
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), BIG_LSE)
+        lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), BIG_LSE)
         # Column -> row: lse is stored lane-major, [G, block_q] per q block.
         lse_t = jnp.broadcast_to(lse, (rows, NUM_LANES)).T[0:1, :]
         for g in range(groups):
@@ -563,6 +706,45 @@ def _seq_array(seqs):
     return jnp.concatenate([jnp.asarray(a, jnp.int32) for a in seqs])
 
 
+# Mosaic flags of every pallas_call here: the LP list scheduler (tokamax's
+# `use_experimental_scheduler`). libtpu 0.0.42, v6e, d=256 b2 8192 causal, an edge item's group
+# of four 512x512 tiles: 3,148 bundles with it, 3,175 without; the fused backward's interior
+# tile 1,496 with it, 1,507 without.
+SCHEDULER_FLAGS = {"XLA_TPU_FORCE_LP_LLO_SCHEDULER": True}
+
+# Mask-free kv compute tiles per straight-line group in the forward's edge items (see `_visit`):
+# v6e, d=256, 512x512 tiles: 829 bundles per tile at 2, 785 at 4, 768 at 8 (code size grows).
+FWD_UNROLL = 4
+# Interior items: q compute tiles per straight-line region when a score tile is at most
+# 512 x 512 (v6e d=256: 783 bundles per tile at 1, 755 at 2, 744 at all four; larger tiles' live
+# temporaries outgrow VMEM: Llama-3-8B's 2048 x 512 stacked tiles do at 2).
+INTERIOR_Q_UNROLL = 2
+
+
+def _fwd_unroll(n_slices):
+    return min(FWD_UNROLL, n_slices)
+
+
+def _cost_estimates(prob: "_Problem", seqs, tiles, itemsize_dtype, pass_, segments,
+                    has_sinks=False):
+    """`pl.CostEstimate`s of the pass's pallas_calls, in call order, from tiling.estimate_cost's
+    closed forms (static lists: the exact counts; cu_seqlens: the padded dense band as a bound)."""
+    band = prob.band
+    window = (-band.lo if band.lo > -_UNBOUNDED else -1, band.hi if band.hi < _UNBOUNDED else -1)
+    if all(isinstance(a, np.ndarray) for a in seqs) and prob.n_seq == 1:
+        q_len, kv_len = int(seqs[1][0]), int(seqs[3][0])
+    else:
+        q_len, kv_len = prob.sq, prob.sk
+    calls = []
+    _tiling.estimate_cost(
+        batch=prob.batch, num_q_heads=prob.kv_heads * prob.groups, num_kv_heads=prob.kv_heads,
+        q_len=q_len, kv_len=kv_len, head_dim=prob.head_dim, dtype=itemsize_dtype, causal=False,
+        window_size=window, segments=segments, tiles=tiles, pass_=pass_, softcap=prob.softcap,
+        has_sinks=has_sinks, calls=calls)
+    return [pl.CostEstimate(flops=int(c["flops"]), transcendentals=int(c["transcendentals"]),
+                            bytes_accessed=int(c["bytes_accessed"])) for c in calls]
+
+
 def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpret):
     """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles)."""
     B, Hkv, G, Sq, D = q5.shape
@@ -620,7 +802,7 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         _fwd_kernel, layout=layout, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
         block_q_compute=bqc, block_kv_compute=bkc, band=prob.band, scale=prob.scale,
         softcap=prob.softcap, has_sinks=has_sinks, has_segments=has_segments,
-        tile_ranges=tile_ranges)
+        tile_ranges=tile_ranges, unroll=_fwd_unroll(bk // bkc))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(B, Hkv, steps),
@@ -638,9 +820,11 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=tiles.vmem_limit_bytes,
+            vmem_limit_bytes=tiles.vmem_limit_bytes, flags=SCHEDULER_FLAGS,
         ),
         interpret=interpret,
+        cost_estimate=_cost_estimates(prob, seqs, tiles, q5.dtype, "fwd", has_segments,
+                                      has_sinks)[0],
         name="flash_attention_fwd",
     )(items, _seq_array(seqs), *args)
     return o, lse
@@ -834,7 +1018,8 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
     has_segments = qseg is not None
     seq_arr = _seq_array(seqs)
     cp = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                              vmem_limit_bytes=tiles.vmem_limit_bytes_bwd)
+                              vmem_limit_bytes=tiles.vmem_limit_bytes_bwd, flags=SCHEDULER_FLAGS)
+    costs = _cost_estimates(prob, seqs, tiles, q5.dtype, "bwd", has_segments)
     qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
     tile_ranges, head_specs, head_args = None, [], []
     if has_segments and _tiling.tile_ranges_fit(B, Sq // bqc, Sk // bkc):
@@ -890,6 +1075,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
             num_scalar_prefetch=2, grid=(B, Hkv, steps_kv), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape, compiler_params=cp, interpret=interpret,
+        cost_estimate=costs[0],
         name="flash_attention_dkdvq" if tiles.fused_bwd else "flash_attention_dkdv",
     )(items_kv, seq_arr, *args)
     if tiles.fused_bwd:
@@ -929,7 +1115,8 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
                             pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),
                             pltpu.VMEM((G, bq, NUM_LANES), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
-        compiler_params=cp, interpret=interpret, name="flash_attention_dq",
+        compiler_params=cp, interpret=interpret, cost_estimate=costs[1],
+        name="flash_attention_dq",
     )(items_q, seq_arr, *args)
     return dq, dk, dv, di
 

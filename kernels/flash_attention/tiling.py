@@ -283,7 +283,8 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
                   cu_seqlens_k: Optional[Sequence[int]] = None,
                   q_segment_ids=None, kv_segment_ids=None,
                   tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd",
-                  count_scalar_prefetch: bool = True) -> KernelCost:
+                  count_scalar_prefetch: bool = True, softcap: float = 0.0,
+                  calls: Optional[list] = None) -> KernelCost:
     """What the Pallas calls of one forward (`pass_="fwd"`) or backward (`"bwd"`: dk/dv and dq
     kernels) move and compute. Counts the kernels only: the layout transposes/pads around them and
     the backward's di = rowsum(do * o) prologue are XLA ops outside. For varlen give cu_seqlens
@@ -296,7 +297,12 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     Pallas pipeline does) + every output block written once + (with count_scalar_prefetch) the
     work list and sequence table copied to SMEM. TPU interpret mode moves exactly the BlockSpec
     part (checked in tests); it does not route the scalar prefetch through its copy path, and it
-    reads each whole output array once before the grid starts, which hardware does not."""
+    reads each whole output array once before the grid starts, which hardware does not.
+
+    `calls`: a list that receives one `pl.CostEstimate`-style dict per pallas_call (flops =
+    issued MXU FLOPs, transcendentals = exp (and tanh with `softcap`) per computed score element
+    plus the forward's rescale exp per row per tile, bytes_accessed = its HBM bytes), in call
+    order; the kernels pass them to their pallas_calls."""
     from .kernel import Band, build_work_list, max_work_items  # lazy: kernel imports tiling
 
     has_ids = q_segment_ids is not None
@@ -422,6 +428,10 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz
                      + B * num_q_heads * q_len * 4)
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
+        if calls is not None:
+            elems = Hkv * live_tiles * G * bqc * bkc
+            calls.append(dict(flops=mxu, transcendentals=elems * (2 if softcap else 1)
+                              + Hkv * live_tiles * G * bqc, bytes_accessed=hbm))
         return KernelCost(useful_fwd, mxu, hbm, min_bytes, steps, need)
 
     if pass_ != "bwd":
@@ -434,6 +444,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     if fused:  # dq of each (batch, head) written once, from the VMEM-resident block
         hbm += B * Hkv * G * Sq * D * isz
     for kv_major, outs in (((True, "kv"),) if fused else ((True, "kv"), (False, "q"))):
+        hbm_before, mxu_before = (0, 0) if kv_major else (hbm, mxu)  # fused: dq out in call 1
         lists, smem = items(bq, bk, kv_major)
         n_q = _fetches([it[0] for it in lists], True, Hkv)
         n_k = _fetches([it[1] for it in lists], True, Hkv)
@@ -456,6 +467,11 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         n_mm = (5 if fused else 4) if kv_major else 3
         mxu += Hkv * live * n_mm * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
+        if calls is not None:
+            elems = Hkv * live * G * bqc * bkc
+            calls.append(dict(flops=mxu - mxu_before,
+                              transcendentals=elems * (2 if softcap else 1),
+                              bytes_accessed=hbm - hbm_before))
     min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
                  + 2 * B * num_q_heads * q_len * 4  # lse, di
                  + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
