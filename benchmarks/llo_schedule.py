@@ -228,15 +228,15 @@ class Schedule:
         return max(tops, key=lambda lp: lp.bundles) if tops else None
 
     def hot_loop(self) -> Loop | None:
-        """The innermost loop holding the most MXU pushes per iteration (its own body): where a
-        matmul kernel spends its time. For a kernel whose grid step is straight-line code this is
-        the grid loop itself."""
+        """The loop holding the most MXU pushes per iteration in its own body (the innermost one
+        on a tie): where a matmul kernel spends its time. For a kernel whose grid step is
+        straight-line code this is the grid loop itself."""
         best, best_key = None, None
         for lp in self.all_loops():
             seg = self.loop_segment(lp, own=True)
             if not seg.mxu_pushes:
                 continue
-            key = (lp.depth, seg.mxu_pushes)
+            key = (seg.mxu_pushes, lp.depth)
             if best_key is None or key > best_key:
                 best, best_key = lp, key
         return best

@@ -157,6 +157,19 @@ class FlashAttention(Adapter):
         return c, {"tiling": [t.block_q, t.q_compute, t.block_kv, t.block_kv_compute],
                    "notes": notes}
 
+    def hot_iteration_flops(self, shape, generation):
+        """MXU FLOPs of one iteration of the forward's interior loop: the q compute tiles it
+        unrolls (kernel.INTERIOR_Q_UNROLL when a stacked tile is at most 512 x 512) against the
+        whole kv block, QK^T and PV. Edge and masked tiles run in other loops at up to ~1.2x the
+        interior's bundles per tile; the model charges every tile at the interior's rate."""
+        _, info = self.cost(shape, generation)
+        block_q, q_compute, block_kv, kv_compute = info["tiling"]
+        groups = shape.q_heads // shape.kv_heads
+        unroll = self.mod.kernel.INTERIOR_Q_UNROLL
+        small = (groups * q_compute * kv_compute <= 512 * 512
+                 and (block_q // q_compute) % unroll == 0)
+        return 4.0 * groups * q_compute * block_kv * shape.head_dim * (unroll if small else 1)
+
     def _fn(self, shape, generation, tiles=None):
         import jax.numpy as jnp
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -69,15 +70,24 @@ def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict
 
 
 def _load_cache() -> dict:
-    try:
-        return json.loads(CACHE.read_text())
-    except (OSError, ValueError):
-        return {}
+    for _ in range(20):  # another benchmark process may be writing it: retry a torn read
+        try:
+            return json.loads(CACHE.read_text())
+        except OSError:
+            return {}
+        except ValueError:
+            time.sleep(0.5)
+    return {}
 
 
 def _save_cache(cache: dict) -> None:
+    """Merge into the file as it is now (other processes may have added entries) and replace it
+    atomically."""
     CACHE.parent.mkdir(parents=True, exist_ok=True)
-    CACHE.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    merged = {**_load_cache(), **cache}
+    tmp = CACHE.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, CACHE)
 
 
 def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
@@ -128,9 +138,7 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
         # when the closed forms change without compiling again.
         entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
     if use_cache:
-        cache = _load_cache()
-        cache[key] = entry
-        _save_cache(cache)
+        _save_cache({key: entry})
     return entry
 
 

@@ -178,3 +178,57 @@ def test_results_say_scheduled_not_measured():
     for line in md2.splitlines():
         assert "measured 1.235e+05" not in line and "measured 123456" not in line
     assert row["kernel"] in md2
+
+
+# ---- the model's trip counts are what the TPU interpreter runs ---------------------------------------
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens,experts,top_k", [(600, 2, 1), (40, 4, 2), (300, 3, 2)])
+def test_gmm_trip_counts_equal_the_windows_the_interpreter_runs(tokens, experts, top_k):
+    """The scheduled-time model charges our gmm's hot loop `hot_iterations` times and its tail
+    regions `side_region_runs` times (benchmarks/ours.py, from the work list on the host). Every
+    row window, full or tail, loads the weight block from VMEM once per column chunk: counting
+    those loads in TPU interpret mode counts the windows the kernel really ran."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import dma_counter
+    import ours
+    import shapes
+
+    rd = ours.load("ragged_dot")
+    s = shapes.RaggedDotShape("trips", tokens, experts, top_k, 384, 256)
+    t = rd.tiling.gmm_tiling(s.m, s.k, s.n, s.dtype, s.dtype, s.dtype, generation="v6e")
+    cn = rd.kernel._n_chunk(t.tk, t.tn)
+    assert t.tk > t.tm or t.tk != 256  # the weight block's shape is no window's shape
+    trips = ours.ADAPTERS["ragged_dot"].schedule_trips(s, "v6e")
+
+    loads = collections.Counter()
+    inner = _ipc.get
+
+    def counting(*a, **k):
+        r = inner(*a, **k)
+        if k.get("input_name") is None:  # a load in the kernel body, not a BlockSpec copy
+            loads[tuple(r[1].shape)] += 1
+        return r
+
+    lhs = jnp.ones((s.m, s.k), jnp.bfloat16)
+    rhs = jnp.ones((s.experts, s.k, s.n), jnp.bfloat16)
+    _ipc.get = counting
+    try:
+        with dma_counter.count_traffic() as traffic:
+            jax.block_until_ready(rd.kernel.gmm(lhs, rhs, jnp.asarray(s.group_sizes, jnp.int32),
+                                                generation="v6e",
+                                                interpret=dma_counter.interpret_params()))
+    finally:
+        _ipc.get = inner
+    windows = loads[(t.tk, cn)] if t.tk != t.tm else None
+    assert windows == trips["hot_iterations"] + trips["side_region_runs"]
+    assert trips["hot_iterations"] + trips["side_region_runs"] > 0
+    assert traffic.grid_steps > 0
