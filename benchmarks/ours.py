@@ -260,12 +260,6 @@ class PagedAttention(Adapter):
     def compile_args(self, shape, generation):
         return self._fn(shape, generation), self._avals(shape)
 
-    def hot_iteration_flops(self, shape, generation):
-        """One hot-loop iteration per work item (a q block against one KV block): the call's
-        issued MXU FLOPs spread over its grid steps."""
-        c, _ = self.cost(shape, generation)
-        return c.mxu_flops / max(c.grid_steps, 1)
-
 
 ADAPTERS = {"ragged_dot": RaggedDot(), "flash_attention": FlashAttention(),
             "paged_attention": PagedAttention()}

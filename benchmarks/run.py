@@ -263,7 +263,55 @@ def count_row(fn, args):
     return d
 
 
-def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedule=False):
+def retime(section: dict, log, old_rows=None) -> None:
+    """Recompute every named row's scheduled entry from the schedule cache (no compile): after
+    a change to the time model, or to fill rows of a run made with --no-compile. A row without a
+    compile result takes the cached compile's (ours) or the previous results' (anchors, whose
+    code did not change)."""
+    import ours
+    from tpu_generations import KernelCost
+
+    table = {s.name: s for rows in shapes_mod.NAMED.values() for s in rows}
+    for r in section["rows"]:
+        shape = table.get(r["shape"])
+        if shape is None:
+            continue
+        for g, pg in r["per_generation"].items():
+            if not pg.get("compile") and r["impl"] != "ours":
+                old = _old_compile(old_rows, r["kernel"], r["shape"], r["impl"], g)
+                if old:
+                    pg["compile"] = old
+            if not pg.get("compile") and r["impl"] == "ours":
+                cached = schedule_rows.read_schedule(r["kernel"], "ours", r["shape"], g,
+                                                     cache_only=True)
+                if cached and "error" not in cached and "vmem_bytes" in cached:
+                    pg["compile"] = {"compiles": True, "vmem_bytes": cached["vmem_bytes"]}
+            if not (pg.get("compile") or {}).get("compiles"):
+                continue
+            cost = KernelCost(r["useful_flops"], pg["mxu_flops"], pg["hbm_bytes"],
+                              r["min_hbm_bytes"], pg["grid_steps"])
+            info = r["info"]
+            if r["impl"] == "ours":
+                info = ours.ADAPTERS[r["kernel"]].cost(shape, g)[1]
+            sched = schedule_rows.schedule_entry(r["kernel"], r["impl"], shape, g, cost, info,
+                                                 cache_only=True)
+            if sched is not None:
+                sched.pop("vmem_bytes", None)
+                pg["scheduled"] = sched
+    log("retimed the named rows from the schedule cache")
+
+
+def _old_compile(old_rows, kind, shape_name, impl, g):
+    """An anchor's compile result from the results being replaced: the anchors' code (the jax
+    wheel, benchmarks/anchors.py) did not change, so its compile need not run again."""
+    for r in old_rows or ():
+        if (r["kernel"], r["shape"], r["impl"]) == (kind, shape_name, impl):
+            return r.get("per_generation", {}).get(g, {}).get("compile")
+    return None
+
+
+def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedule=False,
+              old_rows=None, ours_generations=None):
     """One table row: impl is "anchor" or "ours"."""
     import ours
 
@@ -323,7 +371,10 @@ def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedul
         for g in TESTED_GENERATIONS:
             t0 = time.time()
             pg = row["per_generation"].setdefault(g, {})
+            if impl == "ours" and ours_generations and g not in ours_generations:
+                continue  # not compiled in this run: the columns say n/a
             sched = None
+            old_ci = _old_compile(old_rows, kind, shape.name, impl, g) if impl != "ours" else None
             if do_schedule:
                 # One compile serves both columns: the dump's compile also gives the scoped VMEM.
                 c = per_gen_cost.get(g, cost)
@@ -331,6 +382,11 @@ def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedul
                                                      infos[g] if impl == "ours" else info)
             if sched is not None and "error" not in sched and "vmem_bytes" in sched:
                 pg["compile"] = {"compiles": True, "vmem_bytes": sched.pop("vmem_bytes")}
+            elif sched is not None and "error" in sched:
+                # The dump's compile failed: that is the compile column's answer too.
+                pg["compile"] = {"compiles": False, "error": sched["error"]}
+            elif old_ci is not None:
+                pg["compile"] = old_ci
             else:
                 fn, avals = fn_avals if impl != "ours" else a.compile_args(shape, g)
                 pg["compile"] = compile_info(g, fn, avals)
@@ -347,7 +403,8 @@ def build_row(kind, shape, impl, small, generations, do_compile, log, do_schedul
     return row
 
 
-def run_section(small: bool, kinds, log, do_compile: bool, do_schedule: bool = False) -> dict:
+def run_section(small: bool, kinds, log, do_compile: bool, do_schedule: bool = False,
+                old_rows=None, ours_generations=None) -> dict:
     import ours
 
     table = shapes_mod.SMALL if small else shapes_mod.NAMED
@@ -364,7 +421,7 @@ def run_section(small: bool, kinds, log, do_compile: bool, do_schedule: bool = F
                     continue
                 log(f"{kind} {shape.name} {impl}")
                 rows.append(build_row(kind, shape, impl, small, generations, do_compile, log,
-                                      do_schedule and not small))
+                                      do_schedule and not small, old_rows, ours_generations))
     return {"rows": rows, "missing": missing, "generations": generations}
 
 
@@ -522,7 +579,9 @@ def markdown(results: dict) -> str:
     out += ["Times are **scheduled, not measured on a TPU**: the compiler's own VLIW schedule of "
             "a deviceless compile (libtpu's LLO dump, `benchmarks/llo_schedule.py`), the hot "
             "loop's bundles times the call's compute tiles, overlapped per grid step with the "
-            "step's DMA time, plus XLA's ops around the kernel (`benchmarks/schedule_model.py`). "
+            "step's DMA time, plus the per-step cost (`benchmarks/schedule_model.py`); XLA's "
+            "ops around the kernel (work-list builders, layout transposes) are in results.json "
+            "(`xla_us`, an upper bound), not in the column. "
             "The clocks that turn bundles into time are validated against tokamax's published "
             "TPU timings in `results/validation.md`. The roofline-model column is "
             "max(FLOPs / peak, bytes / bandwidth) + per-step overhead: a bound, not a "
@@ -697,6 +756,15 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cpu", "tpu"), default="cpu",
                         help="tpu: also time the named rows on the attached TPU")
     parser.add_argument("--no-compile", action="store_true", help="skip deviceless compiles")
+    parser.add_argument("--ours-generations", nargs="+", choices=TESTED_GENERATIONS,
+                        help="compile (and read the schedule of) our kernels only for these "
+                             "generations; the others' compile columns say n/a")
+    parser.add_argument("--retime", action="store_true",
+                        help="only recompute the named rows' scheduled times from the schedule "
+                             "cache (no compile, no interpret run) and rewrite the outputs")
+    parser.add_argument("--old-rows", default=None,
+                        help="with --retime: a results.json whose anchors' compile results "
+                             "fill rows that have none")
     parser.add_argument("--no-schedule", action="store_true",
                         help="skip the compiled-schedule reading (LLO dumps) of the named rows")
     parser.add_argument("--no-write", action="store_true", help="print Markdown, write nothing")
@@ -711,7 +779,10 @@ def main(argv=None):
     results = json.loads(path.read_text()) if path.exists() else {}
     results["meta"] = meta()
     t0 = time.time()
-    if args.device == "tpu":
+    if args.retime:
+        retime(results["named"], log, args.old_rows and json.loads(
+            Path(args.old_rows).read_text())["named"]["rows"])
+    elif args.device == "tpu":
         # On a TPU VM: the small (interpreted) section stays as committed, the deviceless
         # compiles are skipped (the chip itself runs the kernels), the named rows gain times.
         results["named"] = _merge(results.get("named"), run_section(False, kinds, log, False),
@@ -723,7 +794,9 @@ def main(argv=None):
         if not args.small:
             results["named"] = _merge(results.get("named"),
                                       run_section(False, kinds, log, not args.no_compile,
-                                                  not args.no_compile and not args.no_schedule),
+                                                  not args.no_compile and not args.no_schedule,
+                                                  (results.get("named") or {}).get("rows"),
+                                                  args.ours_generations),
                                       kinds)
     log(f"done in {time.time() - t0:.0f}s")
     md = markdown(results)

@@ -46,7 +46,8 @@ def _source_hash(impl: str, kind: str) -> str:
     return h.hexdigest()[:16]
 
 
-def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict) -> float | None:
+def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict,
+                        cost=None) -> float | None:
     """MXU FLOPs of one iteration of the implementation's hot loop (its compute tile)."""
     if impl.startswith("anchor:megablox"):
         tm, tk, tn = info["tiling"]
@@ -66,7 +67,9 @@ def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict
 
         fn = getattr(ours.ADAPTERS[kind], "hot_iteration_flops", None)
         return fn(shape, generation) if fn else None
-    return None  # ragged paged attention: trip counts not modelled (memory-bound decode)
+    # Ragged paged attention (ours and JAX's): the hot loop runs once per KV page of a work item
+    # and the items' page counts vary; not modelled, the row shows its schedule's figures only.
+    return None
 
 
 def _load_cache() -> dict:
@@ -91,12 +94,15 @@ def _save_cache(cache: dict) -> None:
 
 
 def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
-                  use_cache: bool = True) -> dict:
-    """The compiled schedule's summary for a row: the Mosaic kernel(s) and the XLA ops."""
+                  use_cache: bool = True, cache_only: bool = False) -> dict | None:
+    """The compiled schedule's summary for a row: the Mosaic kernel(s) and the XLA ops.
+    `cache_only`: None instead of compiling when the cache has no entry."""
     key = f"{kind}|{impl}|{shape_name}|{generation}|{_source_hash(impl, kind)}"
     cache = _load_cache() if use_cache else {}
     if key in cache:
         return cache[key]
+    if cache_only:
+        return None
     full = f"ours:{kind}" if impl == "ours" else impl
     target, args, _ = schedule_targets.resolve(full, shape_name)
     t0 = time.time()
@@ -143,10 +149,12 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
 
 
 def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dict,
-                   use_cache: bool = True) -> dict:
+                   use_cache: bool = True, cache_only: bool = False) -> dict | None:
     """The `scheduled` entry of a row's generation: compiled-schedule figures and, where the
     implementation's hot-loop work is known, its scheduled time."""
-    s = read_schedule(kind, impl, shape.name, generation, use_cache)
+    s = read_schedule(kind, impl, shape.name, generation, use_cache, cache_only)
+    if s is None:
+        return None
     if "error" in s:
         return {"error": s["error"]}
     out = {k: v for k, v in s.items() if not k.startswith("_")}
@@ -159,7 +167,7 @@ def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dic
 
         fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)
         trips = fn(shape, generation) if fn else None
-    flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info)
+    flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info, cost)
     if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(
             s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,

@@ -123,13 +123,6 @@ NAMED = {
         *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
         # One projection alone (gate or up): the shape tokamax's published TPU timings cover.
         RaggedDotShape("mixtral_8x7b_gate_t4096", 4096, 8, 2, 4096, 14336),
-        # DeepSeek-V3-like experts: 256 experts, top-8, hidden 7168, expert intermediate 2048;
-        # one projection each way (gate or up: K=7168, N=2048; down: K=2048, N=7168), at a
-        # prefill batch and at a training batch.
-        RaggedDotShape("deepseek_v3_like_gate_t4096", 4096, 256, 8, 7168, 2048),
-        RaggedDotShape("deepseek_v3_like_down_t4096", 4096, 256, 8, 2048, 7168),
-        RaggedDotShape("deepseek_v3_like_gate_t16384", 16384, 256, 8, 7168, 2048),
-        RaggedDotShape("deepseek_v3_like_down_t16384", 16384, 256, 8, 2048, 7168),
     ],
     "flash_attention": [
         AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
