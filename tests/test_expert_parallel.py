@@ -12,9 +12,7 @@ topology's devices.
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,14 +34,9 @@ DEVICES = 8
 
 
 def _run_case(name: str, timeout: int = 300) -> str:
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
-    r = subprocess.run([sys.executable, __file__, name], env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    assert r.returncode == 0, f"case {name} failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
-    assert f"CASE {name} OK" in r.stdout, r.stdout[-4000:]
-    return r.stdout
+    import emulated_devices
+
+    return emulated_devices.run_case(__file__, name, DEVICES, timeout)
 
 
 # -------------------------------------------------------------------------------------------------
