@@ -162,7 +162,10 @@ def _over_chunks(total: int, chunk: int, fn) -> None:
     jax.lax.fori_loop(0, total // chunk, body, 0)
 
 
-def _compiler_params(semantics, vmem_limit, lp_scheduler):
+def _compiler_params(semantics, vmem_limit, lp_scheduler, generation):
+    """`lp_scheduler` None: the generation's default (tiling.use_lp_scheduler)."""
+    if lp_scheduler is None:
+        lp_scheduler = _tiling.use_lp_scheduler(generation)
     flags = {LP_SCHEDULER_FLAG: True} if lp_scheduler else None
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit,
                                 flags=flags)
@@ -382,7 +385,8 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
             scratch_shapes=scratch,
         ),
         compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
-                                         _tiling.vmem_limit(t, need, generation), lp_scheduler),
+                                         _tiling.vmem_limit(t, need, generation), lp_scheduler,
+                                         generation),
         cost_estimate=_cost_estimate(cost),
         interpret=interpret,
         name="ragged_dot_gmm_gated" if gated else "ragged_dot_gmm",
@@ -411,8 +415,6 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
     quantised = jnp.dtype(rhs.dtype) in QUANTISED_DTYPES
     if quantised and scales is None:
         raise ValueError(f"gmm: rhs of dtype {rhs.dtype} needs scales f32 [G, N]")
-    if lp_scheduler is None:
-        lp_scheduler = _tiling.use_lp_scheduler(generation)
     return _gmm_call(lhs, rhs, group_sizes, scales, None, transpose_rhs=transpose_rhs,
                      out_dtype=out_dtype, tiling=tiling, interpret=interpret,
                      generation=generation, activation=None, layout=None,
@@ -448,8 +450,6 @@ def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         raise TypeError("rhs: gmm_gated takes float weights (bf16 / f32)")
     if bias is not None and bias.shape != (rhs.shape[0], two_i):
         raise ValueError(f"bias: expected shape {(rhs.shape[0], two_i)}, got {bias.shape}")
-    if lp_scheduler is None:
-        lp_scheduler = _tiling.use_lp_scheduler(generation)
     return _gmm_call(lhs, rhs, group_sizes, None, bias, transpose_rhs=transpose_rhs,
                      out_dtype=out_dtype, tiling=tiling, interpret=interpret,
                      generation=generation, activation=activation, layout=layout,
@@ -510,8 +510,6 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if m == 0 or k == 0 or n == 0 or num_groups == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
-    if lp_scheduler is None:
-        lp_scheduler = _tiling.use_lp_scheduler(generation)
     t = tiling or _tiling.tgmm_tiling(m, k, n, lhs.dtype, dout.dtype, out_dtype,
                                       num_groups=num_groups, generation=generation)
     tm, tk, tn = t.tm, t.tk, t.tn
@@ -539,7 +537,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         compiler_params=_compiler_params(("parallel", "parallel", "arbitrary"),
-                                         _tiling.vmem_limit(t, need, generation), lp_scheduler),
+                                         _tiling.vmem_limit(t, need, generation), lp_scheduler,
+                                         generation),
         cost_estimate=_cost_estimate(cost),
         interpret=interpret,
         name="ragged_dot_tgmm",
