@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 LIBTPU_VERSION := 0.0.42.*
 PYTEST_ARGS ?=
 
-.PHONY: setup nix-check demo test build bench publish publish-dry-run clean
+.PHONY: setup nix-check demo test format build bench publish publish-dry-run clean
 
 setup: $(VENV)/.installed .libtpu/.installed .torch-tpu-env/.installed .tokamax/.installed nix-check
 
@@ -56,8 +56,16 @@ build: $(VENV)/.installed
 demo: setup build
 	$(PY) scripts/demo.py
 
+# Lint and format check first (ruff, configured in pyproject.toml): a few seconds, and a style
+# slip fails before the suite starts. `make format` fixes what it can.
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal --durations=25 $(PYTEST_ARGS)
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) benchmarks/run.py

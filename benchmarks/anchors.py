@@ -30,18 +30,31 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "torch-ext") not in sys.path:
     sys.path.insert(0, str(ROOT / "torch-ext"))
 
+from blockspec_model import Operand, pipeline_bytes  # noqa: E402
 from tpu_generations import KernelCost  # noqa: E402
 
-from blockspec_model import Operand, pipeline_bytes  # noqa: E402
-
 __all__ = [
-    "GMM_TILING", "gmm_cost", "gmm_call", "flash_cost", "flash_call", "rpa_blocks", "rpa_cost",
-    "rpa_call", "itemsize",
+    "GMM_TILING",
+    "gmm_cost",
+    "gmm_call",
+    "flash_cost",
+    "flash_call",
+    "rpa_blocks",
+    "rpa_cost",
+    "rpa_call",
+    "itemsize",
 ]
 
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1,
-             "float8_e5m2": 1, "int32": 4}
+_ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int32": 4,
+}
 
 
 def itemsize(dtype: str) -> int:
@@ -72,8 +85,12 @@ def gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
 
     mg = _megablox()
     (offsets, group_ids, m_tile_ids), num_tiles = mg.make_group_metadata(
-        group_sizes=jnp.asarray(group_sizes, jnp.int32), m=m, tm=tm,
-        start_group=jnp.int32(0), num_nonzero_groups=len(group_sizes), visit_empty_groups=False,
+        group_sizes=jnp.asarray(group_sizes, jnp.int32),
+        m=m,
+        tm=tm,
+        start_group=jnp.int32(0),
+        num_nonzero_groups=len(group_sizes),
+        visit_empty_groups=False,
     )
     return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
 
@@ -131,14 +148,16 @@ def gmm_call(shape, tiling=GMM_TILING, interpret=False, out_dtype: str | None = 
     mg = _megablox()
     key = jax.random.key(0)
     lhs = jax.random.normal(key, (shape.m, shape.k), jnp.float32).astype(_jnp_dtype(shape.dtype))
-    rhs = jax.random.normal(jax.random.fold_in(key, 1), (shape.experts, shape.k, shape.n),
-                            jnp.float32).astype(_jnp_dtype(shape.dtype))
+    rhs = jax.random.normal(
+        jax.random.fold_in(key, 1), (shape.experts, shape.k, shape.n), jnp.float32
+    ).astype(_jnp_dtype(shape.dtype))
     gs = jnp.asarray(shape.group_sizes, jnp.int32)
     out_dtype = _jnp_dtype(out_dtype or shape.dtype)
 
     def fn(lhs, rhs, gs):
-        return mg.gmm.__wrapped__(lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling,
-                                  interpret=interpret)
+        return mg.gmm.__wrapped__(
+            lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling, interpret=interpret
+        )
 
     return fn, (lhs, rhs, gs)
 
@@ -154,8 +173,11 @@ def gmm_compile_args(shape, tiling=GMM_TILING, out_dtype: str | None = None):
     def fn(lhs, rhs, gs):
         return mg.gmm(lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling)
 
-    return fn, [((shape.m, shape.k), dt), ((shape.experts, shape.k, shape.n), dt),
-                ((shape.experts,), jnp.int32)]
+    return fn, [
+        ((shape.m, shape.k), dt),
+        ((shape.experts, shape.k, shape.n), dt),
+        ((shape.experts,), jnp.int32),
+    ]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -219,9 +241,12 @@ def flash_cost(shape, block: int = FLASH_BLOCK, include_repeat: bool = True):
         Operand("o", blk, lambda b, h, qi, ki: (b, h, qi), is_output=True),
     ]
     if shape.documents:  # q ids [block_q, 128] and kv ids [8, block_k] int32, no head axis
-        ops += [Operand("q_segment_ids", bq * 128 * 4, lambda b, h, qi, ki: (b, qi + 0 * h)),
-                Operand("kv_segment_ids", 8 * bk * 4,
-                        lambda b, h, qi, ki: (b, kv_map(b, h, qi, ki)[2]))]
+        ops += [
+            Operand("q_segment_ids", bq * 128 * 4, lambda b, h, qi, ki: (b, qi + 0 * h)),
+            Operand(
+                "kv_segment_ids", 8 * bk * 4, lambda b, h, qi, ki: (b, kv_map(b, h, qi, ki)[2])
+            ),
+        ]
     grid = (B, H, nq, nk)
     p = pipeline_bytes(grid, ops)
     qi, ki = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
@@ -259,8 +284,10 @@ def flash_call(shape, block: int = FLASH_BLOCK):
 
     fn, avals = flash_compile_args(shape, block)
     key = jax.random.key(1)
-    args = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
-                 for i, (s, dt) in enumerate(avals))
+    args = tuple(
+        jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
+        for i, (s, dt) in enumerate(avals)
+    )
     return fn, args
 
 
@@ -282,8 +309,15 @@ def flash_compile_args(shape, block: int = FLASH_BLOCK):
     def fn(q, k, v):
         k = jnp.repeat(k, rep, axis=1)
         v = jnp.repeat(v, rep, axis=1)
-        return fa.flash_attention(q, k, v, causal=shape.causal, sm_scale=shape.head_dim ** -0.5,
-                                  block_sizes=bs, segment_ids=segment_ids)
+        return fa.flash_attention(
+            q,
+            k,
+            v,
+            causal=shape.causal,
+            sm_scale=shape.head_dim**-0.5,
+            block_sizes=bs,
+            segment_ids=segment_ids,
+        )
 
     qs = ((shape.batch, shape.q_heads, shape.seq, shape.head_dim), dt)
     kvs = ((shape.batch, shape.kv_heads, shape.seq, shape.head_dim), dt)
@@ -314,8 +348,18 @@ def rpa_blocks(shape, pages_per_block=None):
 
     dt = _jnp_dtype(shape.dtype)
     hq_blk, hkv2_blk = rk.get_min_heads_per_blk(shape.q_heads, 2 * shape.kv_heads, dt, dt)
-    key = tb.simplify_key((dt, dt, hq_blk, hkv2_blk // 2, shape.head_dim, shape.page_size,
-                           shape.q_tokens, shape.pages_per_seq))
+    key = tb.simplify_key(
+        (
+            dt,
+            dt,
+            hq_blk,
+            hkv2_blk // 2,
+            shape.head_dim,
+            shape.page_size,
+            shape.q_tokens,
+            shape.pages_per_seq,
+        )
+    )
     bkv, bq = tb.TUNED_BLOCK_SIZES.get("TPU v6", {}).get(key, (128, 32))
     bkv = pages_per_block or bkv
     return hq_blk, hkv2_blk, min(shape.pages_per_seq, bkv), min(shape.q_tokens, bq)
@@ -325,8 +369,13 @@ def paged_min_bytes(shape) -> int:
     """q read, o written, every valid KV byte read once (page tables not counted)."""
     isz = itemsize(shape.dtype)
     qo = 2 * shape.q_tokens * shape.q_heads * shape.head_dim * isz
-    kv = sum(min(kv, shape.window or kv) for _, kv in shape.seqs) * 2 * shape.kv_heads * \
-        shape.head_dim * isz
+    kv = (
+        sum(min(kv, shape.window or kv) for _, kv in shape.seqs)
+        * 2
+        * shape.kv_heads
+        * shape.head_dim
+        * isz
+    )
     return qo + kv
 
 
@@ -364,15 +413,25 @@ def rpa_cost(shape, pages_per_block=None):
         min_hbm_bytes=paged_min_bytes(shape),
         grid_steps=steps,
         # double-buffered q and o blocks, the two KV slots, f32 l/m (128 lanes) and accumulator
-        vmem_bytes=(4 * bq * hq_blk * d * isz + 2 * pages_blk * shape.page_size * hkv2_blk * d * isz
-                    + 2 * (hkv2_blk // 2) * bq * group * 128 * 4 + bq * hq_blk * d * 4),
+        vmem_bytes=(
+            4 * bq * hq_blk * d * isz
+            + 2 * pages_blk * shape.page_size * hkv2_blk * d * isz
+            + 2 * (hkv2_blk // 2) * bq * group * 128 * 4
+            + bq * hq_blk * d * 4
+        ),
     )
-    notes = [f"{dmas:,} page DMAs, issued from a loop inside its {steps} grid steps: the "
-             "per-grid-step overhead of the model does not see that loop"]
+    notes = [
+        f"{dmas:,} page DMAs, issued from a loop inside its {steps} grid steps: the "
+        "per-grid-step overhead of the model does not see that loop"
+    ]
     if shape.window is not None:
         notes.append("sliding window masks but still fetches every page")
-    return cost, {"pages_per_block": pages_blk, "queries_per_block": bq, "dmas": dmas,
-                  "notes": notes}
+    return cost, {
+        "pages_per_block": pages_blk,
+        "queries_per_block": bq,
+        "dmas": dmas,
+        "notes": notes,
+    }
 
 
 def _rpa_inputs(shape):
@@ -396,14 +455,24 @@ def rpa_compile_args(shape, pages_per_block=None):
 
     def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
         return rk.ragged_paged_attention(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sm_scale=shape.head_dim ** -0.5, sliding_window=shape.window,
-            num_kv_pages_per_block=pages_blk, num_queries_per_block=bq)
+            q,
+            kv_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=shape.head_dim**-0.5,
+            sliding_window=shape.window,
+            num_kv_pages_per_block=pages_blk,
+            num_queries_per_block=bq,
+        )
 
     return fn, [
         ((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
         ((total_pages, shape.page_size, 2 * shape.kv_heads, shape.head_dim), dt),
-        ((n,), jnp.int32), ((n, shape.pages_per_seq), jnp.int32), ((n + 1,), jnp.int32),
+        ((n,), jnp.int32),
+        ((n, shape.pages_per_seq), jnp.int32),
+        ((n + 1,), jnp.int32),
         ((1,), jnp.int32),
     ]
 
@@ -418,8 +487,14 @@ def rpa_call(shape, pages_per_block=None):
     key = jax.random.key(2)
     q = jax.random.normal(key, avals[0][0], jnp.float32).astype(avals[0][1])
     kv = jax.random.normal(jax.random.fold_in(key, 1), avals[1][0], jnp.float32).astype(avals[1][1])
-    return fn, (q, kv, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q),
-                jnp.asarray([len(shape.seqs)], jnp.int32))
+    return fn, (
+        q,
+        kv,
+        jnp.asarray(kv_lens),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu_q),
+        jnp.asarray([len(shape.seqs)], jnp.int32),
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -449,8 +524,9 @@ def splash_kernel(shape, block: int = SPLASH_BLOCK):
         head_mask = sm.FullMask((S, S))
     mask = sm.MultiHeadMask([head_mask] * shape.q_heads)
     bs = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b)
-    return sk.make_splash_mha(mask, block_sizes=bs, head_shards=1, q_seq_shards=1,
-                              attn_logits_soft_cap=shape.softcap)
+    return sk.make_splash_mha(
+        mask, block_sizes=bs, head_shards=1, q_seq_shards=1, attn_logits_soft_cap=shape.softcap
+    )
 
 
 def splash_cost(shape, block: int = SPLASH_BLOCK):
@@ -486,13 +562,16 @@ def splash_cost(shape, block: int = SPLASH_BLOCK):
     if mi.partial_mask_blocks is not None:
         mask_next = np.asarray(mi.mask_next)
         pmb = np.asarray(mi.partial_mask_blocks)
-        ops.append(Operand("mask", b * b * pmb.dtype.itemsize,
-                           lambda h, i, j: (mask_next[hm(h), i, j],)))
+        ops.append(
+            Operand("mask", b * b * pmb.dtype.itemsize, lambda h, i, j: (mask_next[hm(h), i, j],))
+        )
     if mi.q_sequence is not None:
         ops.append(Operand("q_sequence", b * 128 * 4, lambda h, i, j: (i + 0 * h,)))
     if shape.documents:  # q ids [bq, 128] and kv ids [8, bkv] int32, following data_next
-        ops += [Operand("q_segment_ids", b * 128 * 4, lambda h, i, j: (i + 0 * h,)),
-                Operand("kv_segment_ids", 8 * b * 4, lambda h, i, j: (data_next[hm(h), i, j],))]
+        ops += [
+            Operand("q_segment_ids", b * 128 * 4, lambda h, i, j: (i + 0 * h,)),
+            Operand("kv_segment_ids", 8 * b * 4, lambda h, i, j: (data_next[hm(h), i, j],)),
+        ]
     grid = (H, nq, width)
     p = pipeline_bytes(grid, ops)
     live = int((block_mask != 0).sum()) * (1 if per_head else H)
@@ -519,7 +598,7 @@ def splash_compile_args(shape, block: int = SPLASH_BLOCK):
 
     kernel = splash_kernel(shape, block)
     dt = _jnp_dtype(shape.dtype)
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     lead = (shape.batch,) if shape.batch > 1 else ()
     ids = shape.segment_ids()
     segment_ids = None
@@ -531,12 +610,15 @@ def splash_compile_args(shape, block: int = SPLASH_BLOCK):
         if not lead:
             return kernel(q * scale, k, v, segment_ids=segment_ids)
         # One call per sequence (jax.vmap of this kernel does not run in TPU interpret mode).
-        return jnp.stack([kernel(q[b] * scale, k[b], v[b], segment_ids=segment_ids)
-                          for b in range(shape.batch)])
+        return jnp.stack(
+            [kernel(q[b] * scale, k[b], v[b], segment_ids=segment_ids) for b in range(shape.batch)]
+        )
 
-    return fn, [(lead + (shape.q_heads, shape.seq, shape.head_dim), dt),
-                (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt),
-                (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt)]
+    return fn, [
+        (lead + (shape.q_heads, shape.seq, shape.head_dim), dt),
+        (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt),
+        (lead + (shape.kv_heads, shape.seq, shape.head_dim), dt),
+    ]
 
 
 def splash_call(shape, block: int = SPLASH_BLOCK):
@@ -545,6 +627,8 @@ def splash_call(shape, block: int = SPLASH_BLOCK):
 
     fn, avals = splash_compile_args(shape, block)
     key = jax.random.key(3)
-    args = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
-                 for i, (s, dt) in enumerate(avals))
+    args = tuple(
+        jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
+        for i, (s, dt) in enumerate(avals)
+    )
     return fn, args

@@ -13,7 +13,6 @@ as float32 (the runner's fixed atol=1e-2 then checks the attention, not bf16 sto
 from __future__ import annotations
 
 import torch
-
 from kernels.benchmark import Benchmark
 
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128, tokens=8192)
@@ -41,8 +40,7 @@ def _sdpa(q, k, v, causal=False, window=None):
             mask &= j <= i
         if window is not None:
             mask &= j >= i - window
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                           enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
 
@@ -81,8 +79,9 @@ class FlashAttentionBenchmark(Benchmark):
         self._setup()
 
     def benchmark_sliding_window(self):
-        out = self.kernel.flash_attn_func(self.q, self.k, self.v, causal=True,
-                                          window_size=(self._window(), -1))
+        out = self.kernel.flash_attn_func(
+            self.q, self.k, self.v, causal=True, window_size=(self._window(), -1)
+        )
         _sync(out)
         self.out = out.float()
 
@@ -114,8 +113,16 @@ class FlashAttentionBenchmark(Benchmark):
         self.max_len = int((self.cu[1:] - self.cu[:-1]).max())
 
     def benchmark_varlen(self):
-        out = self.kernel.flash_attn_varlen_func(self.q[0], self.k[0], self.v[0], self.cu, self.cu,
-                                                 self.max_len, self.max_len, causal=True)
+        out = self.kernel.flash_attn_varlen_func(
+            self.q[0],
+            self.k[0],
+            self.v[0],
+            self.cu,
+            self.cu,
+            self.max_len,
+            self.max_len,
+            causal=True,
+        )
         _sync(out)
         self.out = out.float()
 

@@ -36,7 +36,7 @@ def _dense_reference(q, kv_cache, kv_lens, page_table, cu_q_lens, window=None):
         k = k.repeat_interleave(g, dim=1)
         v = v.repeat_interleave(g, dim=1)
         qs = q[a:b].float()
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * d ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * d**-0.5
         qpos = kl - (b - a) + torch.arange(b - a, device=q.device)[:, None]
         kpos = torch.arange(kl, device=q.device)[None, :]
         mask = kpos <= qpos
@@ -57,10 +57,12 @@ class PagedAttentionBenchmark(Benchmark):
         num_pages = n * pages_per_seq
         g = torch.Generator().manual_seed(0)
         # Pages scattered through the cache, as an allocator leaves them.
-        self.page_table = torch.randperm(num_pages, generator=g).reshape(n, pages_per_seq).to(
-            torch.int32).to(dev)
-        self.kv_cache = torch.randn(num_pages, 2 * kv_heads, page_size, head_dim,
-                                    generator=g).to(dtype).to(dev)
+        self.page_table = (
+            torch.randperm(num_pages, generator=g).reshape(n, pages_per_seq).to(torch.int32).to(dev)
+        )
+        self.kv_cache = (
+            torch.randn(num_pages, 2 * kv_heads, page_size, head_dim, generator=g).to(dtype).to(dev)
+        )
         tokens = sum(q for q, _ in seqs)
         self.q = torch.randn(tokens, q_heads, head_dim, generator=g).to(dtype).to(dev)
         self.kv_lens = torch.tensor([kv for _, kv in seqs], dtype=torch.int32, device=dev)
@@ -74,22 +76,42 @@ class PagedAttentionBenchmark(Benchmark):
 
     def _run(self):
         self.out = self.kernel.ragged_paged_attention(
-            self.q, self.kv_cache, self.kv_lens, self.page_table, self.cu_q_lens, self.num_seqs,
-            sliding_window=self.window, validate=False)
+            self.q,
+            self.kv_cache,
+            self.kv_lens,
+            self.page_table,
+            self.cu_q_lens,
+            self.num_seqs,
+            sliding_window=self.window,
+            validate=False,
+        )
         _sync(self.device)
 
     def _reference(self):
-        return _dense_reference(self.q, self.kv_cache, self.kv_lens, self.page_table,
-                                self.cu_q_lens, self.window)
+        return _dense_reference(
+            self.q, self.kv_cache, self.kv_lens, self.page_table, self.cu_q_lens, self.window
+        )
 
     # -- decode ----------------------------------------------------------------------------------
     def setup_decode(self):
         if self.device == "tpu":
-            self._make([(1, 8192)] * 64, q_heads=32, kv_heads=8, head_dim=128, page_size=128,
-                       dtype=torch.bfloat16)
+            self._make(
+                [(1, 8192)] * 64,
+                q_heads=32,
+                kv_heads=8,
+                head_dim=128,
+                page_size=128,
+                dtype=torch.bfloat16,
+            )
         else:
-            self._make([(1, 300), (1, 64), (1, 129), (1, 17)], q_heads=4, kv_heads=1,
-                       head_dim=128, page_size=16, dtype=torch.float32)
+            self._make(
+                [(1, 300), (1, 64), (1, 129), (1, 17)],
+                q_heads=4,
+                kv_heads=1,
+                head_dim=128,
+                page_size=16,
+                dtype=torch.float32,
+            )
 
     def benchmark_decode(self):
         self._run()
@@ -100,11 +122,25 @@ class PagedAttentionBenchmark(Benchmark):
     # -- decode with a sliding window -------------------------------------------------------------
     def setup_decode_window(self):
         if self.device == "tpu":
-            self._make([(1, 8192)] * 64, q_heads=32, kv_heads=8, head_dim=128, page_size=128,
-                       dtype=torch.bfloat16, window=1024)
+            self._make(
+                [(1, 8192)] * 64,
+                q_heads=32,
+                kv_heads=8,
+                head_dim=128,
+                page_size=128,
+                dtype=torch.bfloat16,
+                window=1024,
+            )
         else:
-            self._make([(1, 300), (1, 64), (1, 129), (1, 17)], q_heads=4, kv_heads=1,
-                       head_dim=128, page_size=16, dtype=torch.float32, window=40)
+            self._make(
+                [(1, 300), (1, 64), (1, 129), (1, 17)],
+                q_heads=4,
+                kv_heads=1,
+                head_dim=128,
+                page_size=16,
+                dtype=torch.float32,
+                window=40,
+            )
 
     def benchmark_decode_window(self):
         self._run()
@@ -115,11 +151,23 @@ class PagedAttentionBenchmark(Benchmark):
     # -- mixed: decodes plus one prefill chunk ---------------------------------------------------
     def setup_mixed(self):
         if self.device == "tpu":
-            self._make([(1, 8192)] * 63 + [(2048, 8192)], q_heads=32, kv_heads=8, head_dim=128,
-                       page_size=128, dtype=torch.bfloat16)
+            self._make(
+                [(1, 8192)] * 63 + [(2048, 8192)],
+                q_heads=32,
+                kv_heads=8,
+                head_dim=128,
+                page_size=128,
+                dtype=torch.bfloat16,
+            )
         else:
-            self._make([(1, 200), (1, 64), (1, 129), (40, 96)], q_heads=4, kv_heads=1,
-                       head_dim=128, page_size=16, dtype=torch.float32)
+            self._make(
+                [(1, 200), (1, 64), (1, 129), (40, 96)],
+                q_heads=4,
+                kv_heads=1,
+                head_dim=128,
+                page_size=16,
+                dtype=torch.float32,
+            )
 
     def benchmark_mixed(self):
         self._run()

@@ -13,7 +13,6 @@ Each workload is verified against a per-group torch loop in float32. Outputs are
 from __future__ import annotations
 
 import torch
-
 from kernels.benchmark import Benchmark
 
 # (tokens, experts, top_k, hidden, expert intermediate)
@@ -36,24 +35,31 @@ def _group_sizes(tokens: int, experts: int, top_k: int, device) -> torch.Tensor:
 
 
 def _loop_gmm(x, w, group_sizes, transpose_rhs):
-    out = torch.zeros(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2],
-                      dtype=torch.float32, device=x.device)
+    out = torch.zeros(
+        x.shape[0],
+        w.shape[1] if transpose_rhs else w.shape[2],
+        dtype=torch.float32,
+        device=x.device,
+    )
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
         if size:
             wg = w[g].float()
-            out[start:start + size] = x[start:start + size].float() @ (wg.T if transpose_rhs else wg)
+            out[start : start + size] = x[start : start + size].float() @ (
+                wg.T if transpose_rhs else wg
+            )
         start += size
     return out
 
 
 def _loop_tgmm(x, dout, group_sizes):
-    out = torch.zeros(group_sizes.shape[0], x.shape[1], dout.shape[1], dtype=torch.float32,
-                      device=x.device)
+    out = torch.zeros(
+        group_sizes.shape[0], x.shape[1], dout.shape[1], dtype=torch.float32, device=x.device
+    )
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
         if size:
-            out[g] = x[start:start + size].float().T @ dout[start:start + size].float()
+            out[g] = x[start : start + size].float().T @ dout[start : start + size].float()
         start += size
     return out
 
@@ -74,14 +80,15 @@ class RaggedDotBenchmark(Benchmark):
         dev = self.device
         self.group_sizes = _group_sizes(tokens, e, s["top_k"], dev)
         # Scaled so outputs are O(1): the runner compares with atol=1e-2.
-        self.x = (torch.randn(m, k) / k ** 0.25).to(torch.bfloat16).to(dev)
+        self.x = (torch.randn(m, k) / k**0.25).to(torch.bfloat16).to(dev)
         # Transformers' layout: [E, out, in], read transposed in-kernel.
-        self.w = (torch.randn(e, n, k) / k ** 0.25).to(torch.bfloat16).to(dev)
+        self.w = (torch.randn(e, n, k) / k**0.25).to(torch.bfloat16).to(dev)
         self.out = None
 
     def _run_gmm(self):
-        self.out = self.kernel.gmm(self.x, self.w, self.group_sizes, transpose_rhs=True,
-                                   out_dtype=torch.float32)
+        self.out = self.kernel.gmm(
+            self.x, self.w, self.group_sizes, transpose_rhs=True, out_dtype=torch.float32
+        )
         _sync(self.out)
 
     def _verify_gmm(self):
@@ -113,9 +120,15 @@ class RaggedDotBenchmark(Benchmark):
         self._setup_gmm(4096, "gate_up")
 
     def benchmark_gmm_gated_prefill(self):
-        self.out = self.kernel.gmm_gated(self.x, self.w, self.group_sizes, activation="silu",
-                                         layout="concatenated", transpose_rhs=True,
-                                         out_dtype=torch.float32)
+        self.out = self.kernel.gmm_gated(
+            self.x,
+            self.w,
+            self.group_sizes,
+            activation="silu",
+            layout="concatenated",
+            transpose_rhs=True,
+            out_dtype=torch.float32,
+        )
         _sync(self.out)
 
     def verify_gmm_gated_prefill(self):
@@ -128,7 +141,7 @@ class RaggedDotBenchmark(Benchmark):
         self._setup_gmm(4096, "gate_up")
         m = self.x.shape[0]
         n = self.w.shape[1]
-        self.dout = (torch.randn(m, n) / m ** 0.25).to(torch.bfloat16).to(self.device)
+        self.dout = (torch.randn(m, n) / m**0.25).to(torch.bfloat16).to(self.device)
 
     def benchmark_tgmm_prefill(self):
         self.out = self.kernel.tgmm(self.x, self.dout, self.group_sizes, out_dtype=torch.float32)

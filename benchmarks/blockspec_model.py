@@ -11,7 +11,7 @@ core), which is how the anchors' closed forms are computed at shapes too large t
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

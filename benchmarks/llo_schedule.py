@@ -56,12 +56,43 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VLOAD:FILL", "VSTORE", "VSTORE:SPILL",
-         "SALU")
+UNITS = (
+    "MXU",
+    "XLU",
+    "VALU",
+    "VPOP",
+    "EUP",
+    "VLOAD",
+    "VLOAD:FILL",
+    "VSTORE",
+    "VSTORE:SPILL",
+    "SALU",
+)
 # The op families worth counting in a hot loop (the prefix of the opcode before the first dot).
-KEY_OPS = ("vmatmul", "vmatpush1", "vmatpush2", "vmatprep", "vpop", "vpow2", "vexp", "vrcp",
-           "vmax", "vadd", "vmul", "vsub", "vsel", "vcmp", "vxpose", "vrot", "vld", "vst", "dma",
-           "vpack", "vcombine", "vcvt")
+KEY_OPS = (
+    "vmatmul",
+    "vmatpush1",
+    "vmatpush2",
+    "vmatprep",
+    "vpop",
+    "vpow2",
+    "vexp",
+    "vrcp",
+    "vmax",
+    "vadd",
+    "vmul",
+    "vsub",
+    "vsel",
+    "vcmp",
+    "vxpose",
+    "vrot",
+    "vld",
+    "vst",
+    "dma",
+    "vpack",
+    "vcombine",
+    "vcvt",
+)
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-fA-F]+|\d+)\s+([A-Z]{2})?\s*:\s*(>*)\s*\{(.*)$")
 _OPCODE = re.compile(r"=\s*([a-z_][\w.]*)")
@@ -103,10 +134,12 @@ class Segment:
         return max(units, key=self.occupancy)
 
     def as_dict(self) -> dict:
-        return {"bundles": self.bundles,
-                "occupancy": {u: round(self.occupancy(u), 4) for u in UNITS if u in self.capacity},
-                "ops": {k: v for k, v in sorted(self.ops.items()) if k in KEY_OPS},
-                "bound": self.bound()}
+        return {
+            "bundles": self.bundles,
+            "occupancy": {u: round(self.occupancy(u), 4) for u in UNITS if u in self.capacity},
+            "ops": {k: v for k, v in sorted(self.ops.items()) if k in KEY_OPS},
+            "bound": self.bound(),
+        }
 
 
 @dataclasses.dataclass
@@ -119,7 +152,7 @@ class Region:
     start: int
     end: int
     target_region: int
-    children: list["Region"] = dataclasses.field(default_factory=list)
+    children: list[Region] = dataclasses.field(default_factory=list)
 
     @property
     def bundles(self) -> int:
@@ -131,7 +164,7 @@ class Loop:
     start: int  # first bundle (the LB bundle)
     end: int  # one past the last bundle
     depth: int
-    children: list["Loop"] = dataclasses.field(default_factory=list)
+    children: list[Loop] = dataclasses.field(default_factory=list)
 
     @property
     def bundles(self) -> int:
@@ -151,8 +184,14 @@ class Loop:
 class Schedule:
     """One compiled Mosaic kernel's final schedule."""
 
-    def __init__(self, name: str, bundles: list[Bundle], util: list[list[int]],
-                 capacity: dict[str, int], generation: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        bundles: list[Bundle],
+        util: list[list[int]],
+        capacity: dict[str, int],
+        generation: str | None = None,
+    ):
         if util and len(util) != len(bundles):
             raise ValueError(f"{name}: {len(bundles)} bundles but {len(util)} utilization rows")
         self.name, self.bundles, self.util = name, bundles, util
@@ -243,17 +282,31 @@ class Schedule:
 
     def summary(self) -> dict:
         """What the CLI prints and the benchmarks store."""
-        out = {"name": self.name, "generation": self.generation,
-               "total": self.whole().as_dict(), "loops": []}
+        out = {
+            "name": self.name,
+            "generation": self.generation,
+            "total": self.whole().as_dict(),
+            "loops": [],
+        }
         hot = self.hot_loop()
         for lp in self.all_loops():
             own = self.loop_segment(lp, own=True)
-            out["loops"].append({"start": lp.start, "depth": lp.depth, "bundles": lp.bundles,
-                                 "own": own.as_dict(), "children": len(lp.children),
-                                 "hot": lp is hot})
+            out["loops"].append(
+                {
+                    "start": lp.start,
+                    "depth": lp.depth,
+                    "bundles": lp.bundles,
+                    "own": own.as_dict(),
+                    "children": len(lp.children),
+                    "hot": lp is hot,
+                }
+            )
         if hot is not None:
-            out["hot"] = {"start": hot.start, "depth": hot.depth,
-                          **self.loop_segment(hot, own=True).as_dict()}
+            out["hot"] = {
+                "start": hot.start,
+                "depth": hot.depth,
+                **self.loop_segment(hot, own=True).as_dict(),
+            }
         return out
 
 
@@ -263,8 +316,9 @@ def _loop_tree(bundles: list[Bundle]) -> list[Loop]:
     roots: list[Loop] = []
     stack: list[Loop] = []
     for b in bundles:
-        while stack and (b.depth < stack[-1].depth
-                         or (b.marker == "LB" and b.depth == stack[-1].depth)):
+        while stack and (
+            b.depth < stack[-1].depth or (b.marker == "LB" and b.depth == stack[-1].depth)
+        ):
             stack[-1].end = b.index
             stack.pop()
         if b.marker == "LB" and b.depth >= 1:
@@ -307,8 +361,9 @@ def parse_bundles(text: str) -> list[Bundle]:
             # Empty bundles (branch delay slots, `{}`) carry no depth marker: they belong to the
             # loop of the bundle before them.
             depth = out[-1].depth
-        out.append(Bundle(len(out), marker, depth, tuple(ops), regions,
-                          int(br.group(1)) if br else None))
+        out.append(
+            Bundle(len(out), marker, depth, tuple(ops), regions, int(br.group(1)) if br else None)
+        )
     return out
 
 
@@ -320,7 +375,7 @@ def parse_utilization(text: str) -> tuple[dict[str, int], list[list[int]]]:
     if tuple(names) != UNITS:
         raise ValueError(f"unexpected utilization columns {names}")
     rows = []
-    for ln in lines[i + 3:]:
+    for ln in lines[i + 3 :]:
         if ln.startswith("=="):
             continue
         vals = ln.split()
@@ -330,8 +385,22 @@ def parse_utilization(text: str) -> tuple[dict[str, int], list[list[int]]]:
 
 
 _OPERAND = re.compile(r"inlined_call_operand\.(\w+)\s*\[shape:\s*(\w+)\[([\d,]*)\]")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
-                "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f64": 8, "s64": 8}
+DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f64": 8,
+    "s64": 8,
+}
 
 
 def hbm_operand_bytes(text: str) -> int:
@@ -353,8 +422,9 @@ def kernel_dumps(dump_dir: Path) -> dict[str, tuple[Path, Path | None]]:
     top-level programs (TLP, <late-...>) are left out."""
     found: dict[str, list] = {}
     for p in sorted(Path(dump_dir).iterdir()):
-        m = re.match(r"^\d+-(.+)-\d+-(final_bundles|final_hlo-static-per-bundle-utilization)\.txt$",
-                     p.name)
+        m = re.match(
+            r"^\d+-(.+)-\d+-(final_bundles|final_hlo-static-per-bundle-utilization)\.txt$", p.name
+        )
         if not m or m.group(1) == "TLP" or m.group(1).startswith("<"):
             continue
         slot = found.setdefault(m.group(1), [None, None])
@@ -374,7 +444,9 @@ def parse_dump(dump_dir, name: str | None = None, generation: str | None = None)
         sched.hbm_operand_bytes = hbm_operand_bytes(bpath.read_text()[:200000])
         # XLA's own fusions around the kernel are dumped too; a Mosaic kernel's entry bundle
         # names the tpu custom call.
-        sched.is_mosaic = "custom-call" in bpath.read_text()[:20000].split("entry bundle", 1)[-1][:400]
+        sched.is_mosaic = (
+            "custom-call" in bpath.read_text()[:20000].split("entry bundle", 1)[-1][:400]
+        )
         out.append(sched)
     out.sort(key=lambda s: -len(s.bundles))
     return out
@@ -392,9 +464,15 @@ def dump_flags(dump_dir: str, name: str | None) -> str:
     return " ".join(flags)
 
 
-def dump_schedule(target: str, generation: str, args: dict | None = None, name: str | None = None,
-                  dump_dir: str | None = None, timeout: int = 900,
-                  hlo_out: str | None = None) -> list[Schedule]:
+def dump_schedule(
+    target: str,
+    generation: str,
+    args: dict | None = None,
+    name: str | None = None,
+    dump_dir: str | None = None,
+    timeout: int = 900,
+    hlo_out: str | None = None,
+) -> list[Schedule]:
     """Compile `target` (`"module:function"`, called as function(generation, **args), which must
     compile its program, e.g. with tests/tpu_compile.compile_for) for `generation` in a fresh
     process with the LLO dump on, and parse the Mosaic kernels whose op name contains `name`.
@@ -403,10 +481,20 @@ def dump_schedule(target: str, generation: str, args: dict | None = None, name: 
     keep = dump_dir is not None
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="llo-")
     env = dict(os.environ)
-    env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + dump_flags(dump_dir, name)).strip()
+    env["LIBTPU_INIT_ARGS"] = (
+        env.get("LIBTPU_INIT_ARGS", "") + " " + dump_flags(dump_dir, name)
+    ).strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-only", target,
-           "--generation", generation, "--args", json.dumps(args or {})]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--compile-only",
+        target,
+        "--generation",
+        generation,
+        "--args",
+        json.dumps(args or {}),
+    ]
     if hlo_out:
         cmd += ["--hlo-out", hlo_out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -444,20 +532,29 @@ def format_summary(s: Schedule) -> str:
     hot = s.hot_loop()
     for lp in s.all_loops():
         own = s.loop_segment(lp, own=True)
-        occ = " ".join(f"{u}={own.occupancy(u):.2f}" for u in ("MXU", "VALU", "EUP", "XLU",
-                                                              "VLOAD", "VSTORE"))
-        ops = ", ".join(f"{k} {own.ops[k]}" for k in ("vmatmul", "vpow2", "vxpose", "vsel", "dma")
-                        if own.ops.get(k))
-        lines.append(f"{'  ' * lp.depth}loop @{lp.start} depth {lp.depth}: {lp.bundles} bundles "
-                     f"({own.bundles} own) {occ} [{ops}] bound {own.bound()}"
-                     + ("   <- hot" if lp is hot else ""))
+        occ = " ".join(
+            f"{u}={own.occupancy(u):.2f}" for u in ("MXU", "VALU", "EUP", "XLU", "VLOAD", "VSTORE")
+        )
+        ops = ", ".join(
+            f"{k} {own.ops[k]}"
+            for k in ("vmatmul", "vpow2", "vxpose", "vsel", "dma")
+            if own.ops.get(k)
+        )
+        lines.append(
+            f"{'  ' * lp.depth}loop @{lp.start} depth {lp.depth}: {lp.bundles} bundles "
+            f"({own.bundles} own) {occ} [{ops}] bound {own.bound()}"
+            + ("   <- hot" if lp is hot else "")
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", nargs="?", help="ours:<kernel> or anchor:<id> (see --list), or "
-                                              "module:function with --args")
+    ap.add_argument(
+        "target",
+        nargs="?",
+        help="ours:<kernel> or anchor:<id> (see --list), or module:function with --args",
+    )
     ap.add_argument("shape", nargs="?", help="a named benchmark shape (benchmarks/shapes.py)")
     ap.add_argument("--generation", default="v6e")
     ap.add_argument("--args", default="{}", help="JSON keyword arguments for module:function")

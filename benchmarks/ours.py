@@ -25,7 +25,7 @@ for _p in (ROOT / "tests", ROOT / "torch-ext"):
 __all__ = ["ADAPTERS", "load"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(key: str):
     import kernel_loader
 
@@ -71,12 +71,20 @@ class RaggedDot(Adapter):
         return self.mod.tiling.GmmTiling(tm=16, tk=128, tn=128)
 
     def cost(self, shape, generation, tiles=None):
-        t = tiles or self.mod.tiling.gmm_tiling(shape.m, shape.k, shape.n, shape.dtype,
-                                                shape.dtype, shape.dtype, generation=generation)
+        t = tiles or self.mod.tiling.gmm_tiling(
+            shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype, generation=generation
+        )
         c = self.mod.tiling.estimate_cost(
-            "gmm", (shape.m, shape.k), (shape.experts, shape.k, shape.n), shape.group_sizes,
-            lhs_dtype=shape.dtype, rhs_dtype=shape.dtype, out_dtype=shape.dtype, tiling=t,
-            generation=generation)
+            "gmm",
+            (shape.m, shape.k),
+            (shape.experts, shape.k, shape.n),
+            shape.group_sizes,
+            lhs_dtype=shape.dtype,
+            rhs_dtype=shape.dtype,
+            out_dtype=shape.dtype,
+            tiling=t,
+            generation=generation,
+        )
         return c, {"tiling": [t.tm, t.tk, t.tn], "notes": []}
 
     def call(self, shape, generation, tiles=None):
@@ -88,8 +96,9 @@ class RaggedDot(Adapter):
         gmm = self.mod.kernel.gmm
 
         def fn(lhs, rhs, gs):
-            return gmm(lhs, rhs, gs, out_dtype=jnp.dtype(shape.dtype), tiling=tiles,
-                       generation=generation)
+            return gmm(
+                lhs, rhs, gs, out_dtype=jnp.dtype(shape.dtype), tiling=tiles, generation=generation
+            )
 
         return fn, (lhs, rhs, gs)
 
@@ -102,24 +111,38 @@ class RaggedDot(Adapter):
         def fn(lhs, rhs, gs):
             return gmm(lhs, rhs, gs, out_dtype=dt, generation=generation)
 
-        return fn, [((shape.m, shape.k), dt), ((shape.experts, shape.k, shape.n), dt),
-                    ((shape.experts,), jnp.int32)]
+        return fn, [
+            ((shape.m, shape.k), dt),
+            ((shape.experts, shape.k, shape.n), dt),
+            ((shape.experts,), jnp.int32),
+        ]
 
     def schedule_trips(self, shape, generation):
         """Exact trip counts from the kernel's own work list: full row windows (the hot loop's
         iterations; one per column chunk when a weight block is cut along N) and tail windows
         (one bucket region each), over every (N tile, K tile)."""
         T, K = self.mod.tiling, self.mod.kernel
-        t = T.gmm_tiling(shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype,
-                         generation=generation)
+        t = T.gmm_tiling(
+            shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype, generation=generation
+        )
         unit = T.row_unit(shape.dtype)
-        wl = T._fields(T.work_list(np.asarray(shape.group_sizes, np.int32), m=shape.m, tm=t.tm,
-                                   buckets=T.bucket_sizes(t.tm, unit), unit=unit, kind="gmm"))
+        wl = T._fields(
+            T.work_list(
+                np.asarray(shape.group_sizes, np.int32),
+                m=shape.m,
+                tm=t.tm,
+                buckets=T.bucket_sizes(t.tm, unit),
+                unit=unit,
+                kind="gmm",
+            )
+        )
         compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
         tiles = -(-shape.n // t.tn) * -(-shape.k // t.tk)
         chunks = t.tn // K._n_chunk(t.tk, t.tn)
-        return {"hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
-                "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles)}
+        return {
+            "hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
+            "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles),
+        }
 
 
 def _window_size(shape):
@@ -134,28 +157,50 @@ class FlashAttention(Adapter):
     prefetch_in_estimate = True  # its estimate counts the SMEM work list it scalar-prefetches
 
     def small_tiles(self):
-        return self.mod.tiling.Tiles(block_q=128, block_kv=256, block_kv_compute=128,
-                                     block_q_bwd=128, block_kv_bwd=128)
+        return self.mod.tiling.Tiles(
+            block_q=128, block_kv=256, block_kv_compute=128, block_q_bwd=128, block_kv_bwd=128
+        )
 
     def cost(self, shape, generation, tiles=None):
         ids = shape.segment_ids()
         t = tiles or self.mod.tiling.choose_tiles(
-            q_len=shape.seq, kv_len=shape.seq, num_q_heads=shape.q_heads,
-            num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
-            causal=shape.causal, window_size=_window_size(shape), generation=generation,
-            segments=ids is not None)
+            q_len=shape.seq,
+            kv_len=shape.seq,
+            num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            dtype=shape.dtype,
+            causal=shape.causal,
+            window_size=_window_size(shape),
+            generation=generation,
+            segments=ids is not None,
+        )
         rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
         c = self.mod.tiling.estimate_cost(
-            batch=shape.batch, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
-            q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, dtype=shape.dtype,
-            causal=shape.causal, window_size=_window_size(shape), tiles=t,
-            generation=generation, pass_="fwd", q_segment_ids=rows, kv_segment_ids=rows)
+            batch=shape.batch,
+            num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads,
+            q_len=shape.seq,
+            kv_len=shape.seq,
+            head_dim=shape.head_dim,
+            dtype=shape.dtype,
+            causal=shape.causal,
+            window_size=_window_size(shape),
+            tiles=t,
+            generation=generation,
+            pass_="fwd",
+            q_segment_ids=rows,
+            kv_segment_ids=rows,
+        )
         notes = ["writes lse (f32 per row) for the backward"]
         if ids is not None:
-            notes.append("segment ids: block pairs between documents leave the work list "
-                         "(no step, no DMA)")
-        return c, {"tiling": [t.block_q, t.q_compute, t.block_kv, t.block_kv_compute],
-                   "notes": notes}
+            notes.append(
+                "segment ids: block pairs between documents leave the work list (no step, no DMA)"
+            )
+        return c, {
+            "tiling": [t.block_q, t.q_compute, t.block_kv, t.block_kv_compute],
+            "notes": notes,
+        }
 
     def hot_iteration_flops(self, shape, generation):
         """MXU FLOPs of one iteration of the forward's interior loop: the q compute tiles it
@@ -166,8 +211,9 @@ class FlashAttention(Adapter):
         block_q, q_compute, block_kv, kv_compute = info["tiling"]
         groups = shape.q_heads // shape.kv_heads
         unroll = self.mod.kernel.INTERIOR_Q_UNROLL
-        small = (groups * q_compute * kv_compute <= 512 * 512
-                 and (block_q // q_compute) % unroll == 0)
+        small = (
+            groups * q_compute * kv_compute <= 512 * 512 and (block_q // q_compute) % unroll == 0
+        )
         return 4.0 * groups * q_compute * block_kv * shape.head_dim * (unroll if small else 1)
 
     def _fn(self, shape, generation, tiles=None):
@@ -178,9 +224,18 @@ class FlashAttention(Adapter):
         rows = None if ids is None else jnp.broadcast_to(jnp.asarray(ids), (shape.batch, shape.seq))
 
         def fn(q, k, v):
-            o, _ = fwd(q, k, v, causal=shape.causal, window_size=_window_size(shape),
-                       softcap=shape.softcap or 0.0, tiles=tiles, generation=generation,
-                       q_segment_ids=rows, kv_segment_ids=rows)
+            o, _ = fwd(
+                q,
+                k,
+                v,
+                causal=shape.causal,
+                window_size=_window_size(shape),
+                softcap=shape.softcap or 0.0,
+                tiles=tiles,
+                generation=generation,
+                q_segment_ids=rows,
+                kv_segment_ids=rows,
+            )
             return o
 
         return fn
@@ -188,9 +243,11 @@ class FlashAttention(Adapter):
     def call(self, shape, generation, tiles=None):
         qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
         kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
-        return self._fn(shape, generation, tiles), (_random(20, qs, shape.dtype),
-                                             _random(21, kvs, shape.dtype),
-                                             _random(22, kvs, shape.dtype))
+        return self._fn(shape, generation, tiles), (
+            _random(20, qs, shape.dtype),
+            _random(21, kvs, shape.dtype),
+            _random(22, kvs, shape.dtype),
+        )
 
     def compile_args(self, shape, generation):
         import jax.numpy as jnp
@@ -212,24 +269,91 @@ class PagedAttention(Adapter):
 
     def cost(self, shape, generation, tiles=None):
         c = self.mod.tiling.estimate_cost(
-            q_lens=[q for q, _ in shape.seqs], kv_lens=[kv for _, kv in shape.seqs],
-            num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-            page_size=shape.page_size, pages_per_seq=shape.pages_per_seq, q_dtype=shape.dtype,
-            kv_dtype=shape.dtype, sliding_window=shape.window, generation=generation,
-            config=tiles)
-        cfg = self.mod.tiling.choose_config(
-            num_tokens=shape.q_tokens, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim, page_size=shape.page_size, pages_per_seq=shape.pages_per_seq,
-            q_dtype=shape.dtype, kv_dtype=shape.dtype, generation=generation, config=tiles)
-        return c, {"tiling": [cfg.block_q, cfg.pages_per_block], "notes": [
-            "the new tokens' KV cache write (write_kv) is a separate call, not counted"]}
+            q_lens=[q for q, _ in shape.seqs],
+            kv_lens=[kv for _, kv in shape.seqs],
+            num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            page_size=shape.page_size,
+            pages_per_seq=shape.pages_per_seq,
+            q_dtype=shape.dtype,
+            kv_dtype=shape.dtype,
+            sliding_window=shape.window,
+            generation=generation,
+            config=tiles,
+        )
+        cfg = self._config(shape, generation, tiles)
+        return c, {
+            "tiling": [cfg.block_q, cfg.pages_per_block],
+            "notes": ["the new tokens' KV cache write (write_kv) is a separate call, not counted"],
+        }
+
+    def _config(self, shape, generation, tiles=None):
+        """The tiles the kernel picks for the shape (the default when `tiles` is None)."""
+        return self.mod.tiling.choose_config(
+            num_tokens=shape.q_tokens,
+            num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            page_size=shape.page_size,
+            pages_per_seq=shape.pages_per_seq,
+            q_dtype=shape.dtype,
+            kv_dtype=shape.dtype,
+            generation=generation,
+            config=tiles,
+        )
+
+    def schedule_trips(self, shape, generation):
+        """Steps per compute path, from the kernel's own work list: an item whose rows sit in
+        one narrow slice of its q block (a decode token's G heads) takes the narrow path, any
+        other item with pages the whole-q-block path (kernel.py's two `compute` calls, in that
+        program order). Empty items and the steps past the list take neither."""
+        T = self.mod.tiling
+        q_lens = [q for q, _ in shape.seqs]
+        kv_lens = [kv for _, kv in shape.seqs]
+        cfg = self._config(shape, generation)
+        bq = cfg.block_q
+        group = shape.q_heads // shape.kv_heads
+        rows = bq * group
+        narrow = T.narrow_rows(group, rows)
+        nqb = -(-max(shape.q_tokens, 1) // bq)
+        items = T.host_work_list(
+            q_lens,
+            kv_lens,
+            block_q=bq,
+            num_q_blocks=nqb,
+            page_size=shape.page_size,
+            pages_per_block=cfg.pages_per_block,
+            sliding_window=shape.window,
+            causal=True,
+        )
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        runs = [0, 0]  # [narrow path, whole-q-block path]
+        for b, s, _, npages in items:
+            if npages == 0:
+                continue
+            r_lo = (max(cu[s], b * bq) - b * bq) * group
+            r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
+            runs[0 if narrow < rows and r_lo // narrow == (r_hi - 1) // narrow else 1] += 1
+        if narrow >= rows:  # no narrow path compiled: every busy step runs the one path
+            return {"hot_iterations": float(runs[1])}
+        return {"branch_runs": [float(r) for r in runs]}
 
     def _fn(self, shape, generation, tiles=None):
         rpa = self.mod.kernel.ragged_paged_attention
 
         def fn(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs):
-            return rpa(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-                       sliding_window=shape.window, config=tiles, generation=generation)
+            return rpa(
+                q,
+                kv_pages,
+                kv_lens,
+                page_table,
+                cu_q_lens,
+                num_seqs,
+                sliding_window=shape.window,
+                config=tiles,
+                generation=generation,
+            )
 
         return fn
 
@@ -238,11 +362,14 @@ class PagedAttention(Adapter):
 
         n = len(shape.seqs)
         dt = jnp.dtype(shape.dtype)
-        return [((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
-                ((n * shape.pages_per_seq, 2 * shape.kv_heads, shape.page_size, shape.head_dim),
-                 dt),
-                ((n,), jnp.int32), ((n, shape.pages_per_seq), jnp.int32), ((n + 1,), jnp.int32),
-                ((1,), jnp.int32)]
+        return [
+            ((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
+            ((n * shape.pages_per_seq, 2 * shape.kv_heads, shape.page_size, shape.head_dim), dt),
+            ((n,), jnp.int32),
+            ((n, shape.pages_per_seq), jnp.int32),
+            ((n + 1,), jnp.int32),
+            ((1,), jnp.int32),
+        ]
 
     def call(self, shape, generation, tiles=None):
         import jax.numpy as jnp
@@ -253,13 +380,20 @@ class PagedAttention(Adapter):
         kv_lens = np.asarray([kv for _, kv in shape.seqs], np.int32)
         cu = np.concatenate([[0], np.cumsum([q for q, _ in shape.seqs])]).astype(np.int32)
         return self._fn(shape, generation, tiles), (
-            _random(30, av[0][0], shape.dtype), _random(31, av[1][0], shape.dtype),
-            jnp.asarray(kv_lens), jnp.asarray(page_table), jnp.asarray(cu),
-            jnp.asarray([n], jnp.int32))
+            _random(30, av[0][0], shape.dtype),
+            _random(31, av[1][0], shape.dtype),
+            jnp.asarray(kv_lens),
+            jnp.asarray(page_table),
+            jnp.asarray(cu),
+            jnp.asarray([n], jnp.int32),
+        )
 
     def compile_args(self, shape, generation):
         return self._fn(shape, generation), self._avals(shape)
 
 
-ADAPTERS = {"ragged_dot": RaggedDot(), "flash_attention": FlashAttention(),
-            "paged_attention": PagedAttention()}
+ADAPTERS = {
+    "ragged_dot": RaggedDot(),
+    "flash_attention": FlashAttention(),
+    "paged_attention": PagedAttention(),
+}

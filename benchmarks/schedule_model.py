@@ -27,7 +27,7 @@ never "measured".
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from llo_schedule import Loop, Schedule
 
@@ -64,11 +64,14 @@ class ScheduledTime:
     bound: str  # "DMA" when most of the time is memory-bound steps, else the hot loop's unit
 
     def as_dict(self) -> dict:
-        return {"scheduled_us": round(self.seconds * 1e6, 3),
-                "compute_us": round(self.compute_seconds * 1e6, 3),
-                "dma_us": round(self.dma_seconds * 1e6, 3),
-                "fixed_us": round(self.fixed_seconds * 1e6, 3),
-                "bound": self.bound, "per_kind": self.per_kind}
+        return {
+            "scheduled_us": round(self.seconds * 1e6, 3),
+            "compute_us": round(self.compute_seconds * 1e6, 3),
+            "dma_us": round(self.dma_seconds * 1e6, 3),
+            "fixed_us": round(self.fixed_seconds * 1e6, 3),
+            "bound": self.bound,
+            "per_kind": self.per_kind,
+        }
 
 
 def xla_seconds(xla: Sequence[Schedule], clock_hz: float, hbm_bytes_per_s: float) -> float:
@@ -108,9 +111,14 @@ def step_bundles(sched: Schedule, kind: StepKind) -> float:
     return max(total, 0.0)
 
 
-def scheduled_time(sched: Schedule, kinds: Sequence[StepKind], clock_hz: float,
-                   hbm_bytes_per_s: float, xla: Sequence[Schedule] = (),
-                   step_overhead_s: float = 0.0) -> ScheduledTime:
+def scheduled_time(
+    sched: Schedule,
+    kinds: Sequence[StepKind],
+    clock_hz: float,
+    hbm_bytes_per_s: float,
+    xla: Sequence[Schedule] = (),
+    step_overhead_s: float = 0.0,
+) -> ScheduledTime:
     """Scheduled time from explicit step kinds (the anchors' own schedule metadata, or a work
     list walked on the host): per step max(bundles / clock, DMA bytes / bandwidth) plus the fixed
     per-step cost, plus the bundles outside the grid loop and XLA's ops around the kernel."""
@@ -129,13 +137,27 @@ def scheduled_time(sched: Schedule, kinds: Sequence[StepKind], clock_hz: float,
         total += k.count * step
         if t_d > t_c:
             mem_bound_time += k.count * step
-        per_kind[k.name] = {"count": k.count, "bundles_per_step": round(b, 1),
-                            "dma_bytes_per_step": k.dma_bytes,
-                            "bound": "DMA" if t_d > t_c else "bundles"}
+        per_kind[k.name] = {
+            "count": k.count,
+            "bundles_per_step": round(b, 1),
+            "dma_bytes_per_step": k.dma_bytes,
+            "bound": "DMA" if t_d > t_c else "bundles",
+        }
     hot = sched.hot_loop()
     unit = sched.loop_segment(hot, own=True).bound() if hot else "VALU"
     bound = "DMA" if mem_bound_time > 0.5 * total else unit
     return ScheduledTime(total + fixed, compute, dma, fixed, per_kind, bound)
+
+
+def _mxu_branches(sched: Schedule, regions) -> list:
+    """The alternative MXU paths of a grid step, in program order: descend from the step's
+    MXU regions while a single region holds all the MXU work (a `pl.when(valid)` wrapper); the
+    first level where the work splits over several sibling regions is the set of paths one step
+    chooses from (e.g. the paged kernel's narrow decode path and its whole-q-block path). Empty
+    when the MXU work never splits."""
+    while len(regions) == 1:
+        regions = [c for c in regions[0].children if sched.region_segment(c).mxu_pushes]
+    return regions if len(regions) > 1 else []
 
 
 def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
@@ -148,14 +170,23 @@ def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
 def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
     """What `scheduled_from_work` needs of a compiled schedule, as plain numbers (cacheable)."""
     grid, hot = sched.grid_loop(), sched.hot_loop()
-    out = {"outside_bundles": len(sched.bundles) - (grid.bundles if grid else 0),
-           "xla": [[len(x.bundles), x.hbm_operand_bytes] for x in xla]}
+    out = {
+        "outside_bundles": len(sched.bundles) - (grid.bundles if grid else 0),
+        "xla": [[len(x.bundles), x.hbm_operand_bytes] for x in xla],
+    }
     if grid is None or hot is None:
         return out
     if hot is grid:
         mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
-        out.update(hot_is_grid=True, step_bundles=grid.bundles,
-                   idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions))
+        out.update(
+            hot_is_grid=True,
+            step_bundles=grid.bundles,
+            idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions),
+            mxu_branches=[
+                [r.bundles, sched.region_segment(r).mxu_pushes]
+                for r in _mxu_branches(sched, mxu_regions)
+            ],
+        )
     else:
         nest = _top_child_containing(grid, hot) or hot
         # MXU work outside the hot loop nest (tail windows of other sizes, masked edge tiles):
@@ -171,17 +202,29 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
 
         collect(sched.regions(grid))
         side_bundles = [r.bundles for r in side]
-        out.update(hot_is_grid=False, hot_bundles=hot.own_bundles,
-                   per_step_overhead_bundles=grid.bundles - nest.bundles - sum(side_bundles),
-                   side_region_mean_bundles=(sum(side_bundles) / len(side_bundles)
-                                             if side_bundles else 0.0))
+        out.update(
+            hot_is_grid=False,
+            hot_bundles=hot.own_bundles,
+            per_step_overhead_bundles=grid.bundles - nest.bundles - sum(side_bundles),
+            side_region_mean_bundles=(
+                sum(side_bundles) / len(side_bundles) if side_bundles else 0.0
+            ),
+        )
     return out
 
 
-def scheduled_from_work(model: dict, *, mxu_flops: float, grid_steps: float, hbm_bytes: float,
-                        generation, flops_per_hot_iteration: float | None = None,
-                        hot_iterations: float | None = None,
-                        side_region_runs: float | None = None) -> dict:
+def scheduled_from_work(
+    model: dict,
+    *,
+    mxu_flops: float,
+    grid_steps: float,
+    hbm_bytes: float,
+    generation,
+    flops_per_hot_iteration: float | None = None,
+    hot_iterations: float | None = None,
+    side_region_runs: float | None = None,
+    branch_runs: Sequence[float] | None = None,
+) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
     `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration.
@@ -204,19 +247,44 @@ def scheduled_from_work(model: dict, *, mxu_flops: float, grid_steps: float, hbm
     tiles, each charged the mean bundles of those regions) passes them instead of
     `flops_per_hot_iteration`; without them every FLOP is charged at the hot loop's rate.
 
+    A kernel whose hot loop is the grid loop and whose steps choose one of several MXU paths
+    (`mxu_branches` in `model`, program order) passes `branch_runs`, the number of steps taking
+    each path (from its work list): a busy step then costs the step's bundles without the paths
+    plus the path it takes, instead of every path's bundles.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
     clock, bw = generation.clock_hz, generation.hbm_bytes_per_s
-    iterations = (hot_iterations if hot_iterations is not None
-                  else mxu_flops / flops_per_hot_iteration)
-    if model.get("hot_is_grid"):
+    if hot_iterations is not None:
+        iterations = hot_iterations
+    elif branch_runs is not None:
+        iterations = float(sum(branch_runs))
+    else:
+        iterations = mxu_flops / flops_per_hot_iteration
+    if model.get("hot_is_grid") and branch_runs is not None:
+        paths = model.get("mxu_branches") or []
+        if len(paths) != len(branch_runs):
+            raise ValueError(
+                f"branch_runs has {len(branch_runs)} entries; the schedule has "
+                f"{len(paths)} alternative MXU paths"
+            )
+        busy = float(sum(branch_runs))
+        shared = model["step_bundles"] - sum(b for b, _ in paths)
+        bundles = (
+            busy * shared
+            + sum(n * b for n, (b, _) in zip(branch_runs, paths))
+            + (grid_steps - busy) * model["idle_step_bundles"]
+        )
+    elif model.get("hot_is_grid"):
         busy = min(iterations, grid_steps)
         bundles = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
     else:
-        bundles = (grid_steps * model["per_step_overhead_bundles"]
-                   + iterations * model["hot_bundles"]
-                   + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0))
+        bundles = (
+            grid_steps * model["per_step_overhead_bundles"]
+            + iterations * model["hot_bundles"]
+            + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
+        )
     t_b = bundles / clock
     t_mxu = mxu_flops / generation.bf16_flops
     t_c = max(t_b, t_mxu)
@@ -228,10 +296,17 @@ def scheduled_from_work(model: dict, *, mxu_flops: float, grid_steps: float, hbm
     xla = sum(max(b / clock, byt / bw) for b, byt in model["xla"])
     fixed = model["outside_bundles"] / clock
     total = max(t_c, t_d) + t_steps + fixed
-    return {"scheduled_us": round(total * 1e6, 3), "with_xla_us": round((total + xla) * 1e6, 3),
-            "compute_us": round(t_c * 1e6, 3),
-            "bundle_us": round(t_b * 1e6, 3), "mxu_floor_us": round(t_mxu * 1e6, 3),
-            "dma_us": round(t_d * 1e6, 3), "step_overhead_us": round(t_steps * 1e6, 3),
-            "fixed_us": round(fixed * 1e6, 3), "xla_us": round(xla * 1e6, 3),
-            "hot_iterations": round(iterations, 1), "clock_hz": clock,
-            "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles")}
+    return {
+        "scheduled_us": round(total * 1e6, 3),
+        "with_xla_us": round((total + xla) * 1e6, 3),
+        "compute_us": round(t_c * 1e6, 3),
+        "bundle_us": round(t_b * 1e6, 3),
+        "mxu_floor_us": round(t_mxu * 1e6, 3),
+        "dma_us": round(t_d * 1e6, 3),
+        "step_overhead_us": round(t_steps * 1e6, 3),
+        "fixed_us": round(fixed * 1e6, 3),
+        "xla_us": round(xla * 1e6, 3),
+        "hot_iterations": round(iterations, 1),
+        "clock_hz": clock,
+        "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
+    }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -31,12 +32,33 @@ ROOT = HERE.parent
 CACHE = HERE / "results" / "schedule_cache.json"
 
 
+_RELATIVE_IMPORT = re.compile(r"^\s*from \.(\w*) import ([\w, ()]+)", re.M)
+
+
+def kernel_sources(kind: str) -> list[Path]:
+    """The files the compiled kernel of family `kind` is built from: its kernel.py and every
+    module of the family or of torch-ext/ (vendored beside it in a package) that it imports,
+    transitively. The ops, the Transformers glue and unrelated torch-ext modules do not change
+    the compiled program, so editing them keeps the cache."""
+    places = (ROOT / "kernels" / kind, ROOT / "torch-ext")
+    todo, seen = [places[0] / "kernel.py"], set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for module, names in _RELATIVE_IMPORT.findall(path.read_text()):
+            # `from .x import a` names module x; `from . import a, b` names modules a and b.
+            wanted = [module] if module else [n.strip(" ()") for n in names.split(",")]
+            for name in wanted:
+                todo += [d / f"{name}.py" for d in places if (d / f"{name}.py").exists()]
+    return sorted(seen)
+
+
 def _source_hash(impl: str, kind: str) -> str:
     h = hashlib.sha256()
     if impl == "ours":
-        for p in sorted((ROOT / "kernels" / kind).glob("*.py")):
-            h.update(p.name.encode() + p.read_bytes())
-        for p in sorted((ROOT / "torch-ext").glob("*.py")):
+        for p in kernel_sources(kind):
             h.update(p.name.encode() + p.read_bytes())
     else:
         import jax
@@ -46,8 +68,9 @@ def _source_hash(impl: str, kind: str) -> str:
     return h.hexdigest()[:16]
 
 
-def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict,
-                        cost=None) -> float | None:
+def hot_iteration_flops(
+    kind: str, impl: str, shape, generation: str, info: dict, cost=None
+) -> float | None:
     """MXU FLOPs of one iteration of the implementation's hot loop (its compute tile)."""
     if impl.startswith("anchor:megablox"):
         tm, tk, tn = info["tiling"]
@@ -62,13 +85,25 @@ def hot_iteration_flops(kind: str, impl: str, shape, generation: str, info: dict
 
         b = min(anchors.FLASH_BLOCK, shape.seq)
         return 4.0 * b * b * shape.head_dim
+    if impl.startswith("anchor:ragged_paged_attention"):
+        import anchors
+
+        # Its hot loop runs once per KV block a q block visits (all its q heads of one head
+        # block against `pages_per_block` pages): the MXU work of one visit.
+        hq_blk = anchors.rpa_blocks(shape)[0]
+        return (
+            4.0
+            * info["queries_per_block"]
+            * hq_blk
+            * info["pages_per_block"]
+            * shape.page_size
+            * shape.head_dim
+        )
     if impl == "ours":
         import ours
 
         fn = getattr(ours.ADAPTERS[kind], "hot_iteration_flops", None)
         return fn(shape, generation) if fn else None
-    # Ragged paged attention (ours and JAX's): the hot loop runs once per KV page of a work item
-    # and the items' page counts vary; not modelled, the row shows its schedule's figures only.
     return None
 
 
@@ -93,8 +128,14 @@ def _save_cache(cache: dict) -> None:
     os.replace(tmp, CACHE)
 
 
-def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
-                  use_cache: bool = True, cache_only: bool = False) -> dict | None:
+def read_schedule(
+    kind: str,
+    impl: str,
+    shape_name: str,
+    generation: str,
+    use_cache: bool = True,
+    cache_only: bool = False,
+) -> dict | None:
     """The compiled schedule's summary for a row: the Mosaic kernel(s) and the XLA ops.
     `cache_only`: None instead of compiling when the cache has no entry."""
     key = f"{kind}|{impl}|{shape_name}|{generation}|{_source_hash(impl, kind)}"
@@ -110,12 +151,15 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
 
     hlo = Path(tempfile.mkdtemp(prefix="hlo-")) / "program.hlo"
     try:
-        scheds = llo_schedule.dump_schedule(target, generation, args, name=None,
-                                            hlo_out=str(hlo))
+        scheds = llo_schedule.dump_schedule(target, generation, args, name=None, hlo_out=str(hlo))
     except Exception as e:  # a row that does not compile is a result, not a crash
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        entry = {"error": next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
-                               lines[-1] if lines else type(e).__name__).strip()[:240]}
+        entry = {
+            "error": next(
+                (ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
+                lines[-1] if lines else type(e).__name__,
+            ).strip()[:240]
+        }
     else:
         mosaic = [s for s in scheds if s.is_mosaic]
         xla = [s for s in scheds if not s.is_mosaic]
@@ -127,8 +171,15 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
             "kernel": kernel.name,
             "bundles": len(kernel.bundles),
             "grid_step_bundles": grid.bundles if grid else None,
-            "hot": ({"depth": hot.depth, "is_grid_loop": hot is grid,
-                     **kernel.loop_segment(hot, own=True).as_dict()} if hot else None),
+            "hot": (
+                {
+                    "depth": hot.depth,
+                    "is_grid_loop": hot is grid,
+                    **kernel.loop_segment(hot, own=True).as_dict(),
+                }
+                if hot
+                else None
+            ),
             "other_mosaic_kernels": [s.name for s in mosaic if s is not kernel],
             "xla_ops": len(xla),
             "xla_bundles": sum(len(s.bundles) for s in xla),
@@ -136,9 +187,9 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
             "compile_seconds": round(time.time() - t0, 1),
         }
         if hlo.exists():
-            import run
+            import rows
 
-            entry["vmem_bytes"] = run.compiled_vmem_bytes(hlo.read_text())
+            entry["vmem_bytes"] = rows.compiled_vmem_bytes(hlo.read_text())
             hlo.unlink()
         # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
         # when the closed forms change without compiling again.
@@ -148,8 +199,16 @@ def read_schedule(kind: str, impl: str, shape_name: str, generation: str,
     return entry
 
 
-def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dict,
-                   use_cache: bool = True, cache_only: bool = False) -> dict | None:
+def schedule_entry(
+    kind: str,
+    impl: str,
+    shape,
+    generation: str,
+    cost,
+    info: dict,
+    use_cache: bool = True,
+    cache_only: bool = False,
+) -> dict | None:
     """The `scheduled` entry of a row's generation: compiled-schedule figures and, where the
     implementation's hot-loop work is known, its scheduled time."""
     s = read_schedule(kind, impl, shape.name, generation, use_cache, cache_only)
@@ -167,12 +226,19 @@ def schedule_entry(kind: str, impl: str, shape, generation: str, cost, info: dic
 
         fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)
         trips = fn(shape, generation) if fn else None
+    if trips and "branch_runs" in trips and not s["_model"].get("mxu_branches"):
+        trips = None  # a cache entry from before the model read the step's MXU paths
     flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info, cost)
     if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(
-            s["_model"], mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps,
-            hbm_bytes=cost.hbm_bytes, flops_per_hot_iteration=flops,
-            generation=GENERATIONS[generation], **(trips or {}))
+            s["_model"],
+            mxu_flops=cost.mxu_flops,
+            grid_steps=cost.grid_steps,
+            hbm_bytes=cost.hbm_bytes,
+            flops_per_hot_iteration=flops,
+            generation=GENERATIONS[generation],
+            **(trips or {}),
+        )
         out.update(t)
         # The unit that bounds the call: DMA, the MXU floor, or the hot loop's fullest unit.
         out["bound"] = hot.get("bound") if t["bound"] == "bundles" else t["bound"]

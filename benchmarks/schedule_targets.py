@@ -52,15 +52,16 @@ def compile_row(generation: str, impl: str, shape: str):
 
         fn, avals = ours.ADAPTERS[kind].compile_args(s, generation)
     else:
-        import run
+        import registry
 
-        fn, avals = run._anchor(kind, impl).compile_args(s)
+        fn, avals = registry.anchor(kind, impl).compile_args(s)
     with jax.default_device(tpu_compile.tpu_device(generation)):
         return tpu_compile.compile_for(generation, fn, *avals)
 
 
-def plain_matmul(generation: str, m: int = 2048, k: int = 4096, n: int = 1024,
-                 block: int = 512) -> None:
+def plain_matmul(
+    generation: str, m: int = 2048, k: int = 4096, n: int = 1024, block: int = 512
+) -> None:
     """A plain Pallas block matmul: one (block x K) @ (K x block) dot per grid step. Its schedule
     is the reference for what 'MXU-bound' looks like (0.93 MXU occupancy on v6e)."""
     import jax
@@ -70,16 +71,22 @@ def plain_matmul(generation: str, m: int = 2048, k: int = 4096, n: int = 1024,
     import tpu_compile
 
     def body(a_ref, b_ref, o_ref):
-        o_ref[...] = jnp.dot(a_ref[...], b_ref[...],
-                             preferred_element_type=jnp.float32).astype(o_ref.dtype)
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32).astype(
+            o_ref.dtype
+        )
 
     def mm(a, b):
         return pl.pallas_call(
-            body, grid=(m // block, n // block),
-            in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
-                      pl.BlockSpec((k, block), lambda i, j: (0, j))],
+            body,
+            grid=(m // block, n // block),
+            in_specs=[
+                pl.BlockSpec((block, k), lambda i, j: (i, 0)),
+                pl.BlockSpec((k, block), lambda i, j: (0, j)),
+            ],
             out_specs=pl.BlockSpec((block, block), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((m, n), a.dtype), name="plain_matmul")(a, b)
+            out_shape=jax.ShapeDtypeStruct((m, n), a.dtype),
+            name="plain_matmul",
+        )(a, b)
 
     tpu_compile.compile_for(generation, mm, ((m, k), jnp.bfloat16), ((k, n), jnp.bfloat16))
 
@@ -92,18 +99,16 @@ def resolve(impl: str, shape: str | None) -> tuple[str, dict, str | None]:
         raise ValueError(f"{impl} needs a named shape")
     kind = _kind_of(shape)
     full = f"ours:{kind}" if impl == "ours" else impl
-    return ("schedule_targets:compile_row", {"impl": full, "shape": shape},
-            KERNEL_NAMES.get(full))
+    return ("schedule_targets:compile_row", {"impl": full, "shape": shape}, KERNEL_NAMES.get(full))
 
 
 def describe() -> str:
+    import registry
     import shapes
-
-    import run
 
     lines = ["plain_matmul                 (no shape)"]
     for kind, rows in shapes.NAMED.items():
-        impls = [f"ours:{kind}"] + [a.impl for a in run.ANCHORS.get(kind, [])]
+        impls = [f"ours:{kind}"] + [a.impl for a in registry.ANCHORS.get(kind, [])]
         lines.append(f"{kind}: implementations {', '.join(impls)}")
         lines.append(f"  shapes: {', '.join(s.name for s in rows + shapes.SMALL.get(kind, []))}")
     return "\n".join(lines)

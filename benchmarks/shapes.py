@@ -12,12 +12,19 @@ import functools
 
 import numpy as np
 
-__all__ = ["RaggedDotShape", "AttentionShape", "PagedShape", "NAMED", "SMALL", "routing_group_sizes"]
+__all__ = [
+    "RaggedDotShape",
+    "AttentionShape",
+    "PagedShape",
+    "NAMED",
+    "SMALL",
+    "routing_group_sizes",
+]
 
 SEED = 0  # one fixed seed for every random routing
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[int, ...]:
     """Group sizes of a realistic MoE routing: each token picks `top_k` distinct experts uniformly
     at random (a fixed seed). Rows are then sorted by expert, as every grouped matmul expects."""
@@ -127,8 +134,9 @@ NAMED = {
     "flash_attention": [
         AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
         AttentionShape("llama3_8b_window1024_8192", 1, 32, 8, 8192, 128, window=1024),
-        AttentionShape("gemma_d256_window4096_softcap50_8192", 1, 8, 4, 8192, 256, window=4096,
-                       softcap=50.0),
+        AttentionShape(
+            "gemma_d256_window4096_softcap50_8192", 1, 8, 4, 8192, 256, window=4096, softcap=50.0
+        ),
         # Shapes tokamax's published TPU timings cover (causal, no window, no soft cap).
         AttentionShape("llama3_8b_causal_b32_4096", 32, 32, 8, 4096, 128),
         AttentionShape("d256_causal_b2_8192", 2, 8, 8, 8192, 256),
@@ -142,12 +150,24 @@ NAMED = {
         AttentionShape("wan_like_video_32768", 1, 12, 12, 32768, 128, causal=False),
     ],
     "paged_attention": [
-        PagedShape("llama3_8b_decode_b64_ctx8192", tuple((1, 8192) for _ in range(64)), 32, 8, 128,
-                   page_size=128),
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+        ),
         # 63 decoding sequences plus one 2048-token prefill chunk (the last chunk of an
         # 8192-token prompt).
-        PagedShape("llama3_8b_mixed_63dec_prefill2048", tuple([(1, 8192)] * 63 + [(2048, 8192)]),
-                   32, 8, 128, page_size=128),
+        PagedShape(
+            "llama3_8b_mixed_63dec_prefill2048",
+            tuple([(1, 8192)] * 63 + [(2048, 8192)]),
+            32,
+            8,
+            128,
+            page_size=128,
+        ),
     ],
 }
 
@@ -162,9 +182,16 @@ SMALL = {
         AttentionShape("small_packed4x128_512", 1, 2, 1, 512, 128, documents=4),
     ],
     "paged_attention": [
-        PagedShape("small_decode_b4_ctx300", tuple((1, 300) for _ in range(4)), 4, 1, 128,
-                   page_size=16),
-        PagedShape("small_mixed_3dec_prefill40", ((1, 200), (1, 64), (1, 129), (40, 96)), 4, 1,
-                   128, page_size=16),
+        PagedShape(
+            "small_decode_b4_ctx300", tuple((1, 300) for _ in range(4)), 4, 1, 128, page_size=16
+        ),
+        PagedShape(
+            "small_mixed_3dec_prefill40",
+            ((1, 200), (1, 64), (1, 129), (40, 96)),
+            4,
+            1,
+            128,
+            page_size=16,
+        ),
     ],
 }

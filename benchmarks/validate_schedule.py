@@ -102,11 +102,13 @@ class AttentionRow:
 
     def key(self) -> str:
         c = self.cfg
-        return (f"attn|{self.gen}|B{self.B}|T{self.T}|t{self.t}|H{self.Hq}/{self.Hkv}|D{self.D}/"
-                f"{self.Dv}|{'causal' if self.causal else 'full'}|res{int(self.residuals)}|"
-                f"bq{c['block_q']}|bkv{c['block_kv']}|bkvc{c['block_kv_compute']}|"
-                f"L{c['q_layout']}{c['k_layout']}{c['v_layout']}|"
-                f"s{int(c['use_experimental_scheduler'])}|e{int(c.get('use_base2_exp', True))}")
+        return (
+            f"attn|{self.gen}|B{self.B}|T{self.T}|t{self.t}|H{self.Hq}/{self.Hkv}|D{self.D}/"
+            f"{self.Dv}|{'causal' if self.causal else 'full'}|res{int(self.residuals)}|"
+            f"bq{c['block_q']}|bkv{c['block_kv']}|bkvc{c['block_kv_compute']}|"
+            f"L{c['q_layout']}{c['k_layout']}{c['v_layout']}|"
+            f"s{int(c['use_experimental_scheduler'])}|e{int(c.get('use_base2_exp', True))}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +136,17 @@ class RaggedRow:
 
     def key(self) -> str:
         c = self.cfg
-        return (f"rdot|{self.gen}|{self.kind}|lhs{'x'.join(map(str, self.lhs))}|"
-                f"rhs{'x'.join(map(str, self.rhs))}|G{self.G}|tm{c['tile_m']}|tk{c['tile_k']}|"
-                f"tn{c['tile_n']}|buf{c.get('input_buffer_count', 2)}|"
-                f"cs{int(bool(c.get('combine_scopes', False)))}")
+        return (
+            f"rdot|{self.gen}|{self.kind}|lhs{'x'.join(map(str, self.lhs))}|"
+            f"rhs{'x'.join(map(str, self.rhs))}|G{self.G}|tm{c['tile_m']}|tk{c['tile_k']}|"
+            f"tn{c['tile_n']}|buf{c.get('input_buffer_count', 2)}|"
+            f"cs{int(bool(c.get('combine_scopes', False)))}"
+        )
 
 
 def _shape(text: str) -> tuple[int, ...]:
     """'bf16[131072,7168]' -> (131072, 7168)."""
-    inner = text[text.index("[") + 1:text.index("]")]
+    inner = text[text.index("[") + 1 : text.index("]")]
     return tuple(int(x) for x in inner.split(","))
 
 
@@ -157,10 +161,22 @@ def load_attention_rows(path: Path | None = None) -> list[AttentionRow]:
             if r["soft_cap"]:
                 continue  # not modelled: none of the published rows has one
             cfg = json.loads(r["config"])
-            out.append(AttentionRow(
-                GEN_OF_CSV[r["gen"]], int(r["B"]), int(r["T"]), int(r["t"]), int(r["Hq"]),
-                int(r["Hkv"]), int(r["D"]), int(r["Dv"]), r["causal"] == "True",
-                r["residuals"] == "True", float(r["ms"]), tuple(sorted(cfg.items()))))
+            out.append(
+                AttentionRow(
+                    GEN_OF_CSV[r["gen"]],
+                    int(r["B"]),
+                    int(r["T"]),
+                    int(r["t"]),
+                    int(r["Hq"]),
+                    int(r["Hkv"]),
+                    int(r["D"]),
+                    int(r["Dv"]),
+                    r["causal"] == "True",
+                    r["residuals"] == "True",
+                    float(r["ms"]),
+                    tuple(sorted(cfg.items())),
+                )
+            )
     return out
 
 
@@ -171,9 +187,18 @@ def load_ragged_rows(path: Path | None = None) -> list[RaggedRow]:
             if r["op"] != "pallas_mosaic_tpu_ragged_dot" or r["gen"] not in GEN_OF_CSV:
                 continue
             cfg = json.loads(r["config"])
-            out.append(RaggedRow(GEN_OF_CSV[r["gen"]], r["kind"], _shape(r["lhs"]),
-                                 _shape(r["rhs"]), int(r["G"]), int(r["rows"]), float(r["ms"]),
-                                 tuple(sorted(cfg.items()))))
+            out.append(
+                RaggedRow(
+                    GEN_OF_CSV[r["gen"]],
+                    r["kind"],
+                    _shape(r["lhs"]),
+                    _shape(r["rhs"]),
+                    int(r["G"]),
+                    int(r["rows"]),
+                    float(r["ms"]),
+                    tuple(sorted(cfg.items())),
+                )
+            )
     return out
 
 
@@ -264,8 +289,10 @@ def _tokamax_import(module: str):
 
 def _splash_mask_modules():
     base = "_src.ops.experimental.tpu.splash_attention."
-    return (_tokamax_import(base + "splash_attention_mask"),
-            _tokamax_import(base + "splash_attention_mask_info"))
+    return (
+        _tokamax_import(base + "splash_attention_mask"),
+        _tokamax_import(base + "splash_attention_mask_info"),
+    )
 
 
 def _splash_kernel_module():
@@ -295,6 +322,7 @@ def _compile_for():
     for DMA tilings at trace time."""
     sys.path.insert(0, str(ROOT / "tests"))
     import jax
+
     from tpu_compile import compile_for, tpu_device
 
     def compile_on(generation, fn, *args, **kwargs):
@@ -309,8 +337,21 @@ def _write_hlo(compiled, hlo_out: str | None):
         Path(hlo_out).write_text(compiled.as_text())
 
 
-def compile_splash(generation: str, *, B: int, T: int, t: int, Hq: int, Hkv: int, D: int, Dv: int,
-                   causal: bool, residuals: bool, config: dict, hlo_out: str | None = None):
+def compile_splash(
+    generation: str,
+    *,
+    B: int,
+    T: int,
+    t: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    Dv: int,
+    causal: bool,
+    residuals: bool,
+    config: dict,
+    hlo_out: str | None = None,
+):
     """tokamax's `pallas_mosaic_tpu_flash_attention` forward as its op runs it: q scaled, q/k/v
     [B, T, H, D] swapped to [B, H, T, D], the splash MHA kernel vmapped over the batch, the output
     swapped back (and the residuals returned when the row has them)."""
@@ -324,12 +365,17 @@ def compile_splash(generation: str, *, B: int, T: int, t: int, Hq: int, Hkv: int
         cfg[name] = sk.QKVLayout(int(cfg[name]))
     splash_cfg = dataclasses.replace(sk.SplashConfig.get_default(), **cfg)
     mask = mask_lib.CausalMask(shape=(T, t)) if causal else mask_lib.FullMask((T, t))
-    kernel = sk.make_splash_mha(mask=mask, config=splash_cfg, save_residuals=residuals,
-                                mask_value=float(jnp.finfo(jnp.float32).min),
-                                downcast_smem_data=False, q_seq_shards=1)
+    kernel = sk.make_splash_mha(
+        mask=mask,
+        config=splash_cfg,
+        save_residuals=residuals,
+        mask_value=float(jnp.finfo(jnp.float32).min),
+        downcast_smem_data=False,
+        q_seq_shards=1,
+    )
 
     def attention(q, k, v):
-        q = q * (D ** -0.5)
+        q = q * (D**-0.5)
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
         out = jax.vmap(kernel)(q, k, v)
         res = None
@@ -339,14 +385,28 @@ def compile_splash(generation: str, *, B: int, T: int, t: int, Hq: int, Hkv: int
         return jnp.swapaxes(out, 1, 2), res
 
     bf16 = jnp.bfloat16
-    compiled = _compile_for()(generation, attention, ((B, T, Hq, D), bf16), ((B, t, Hkv, D), bf16),
-                              ((B, t, Hkv, Dv), bf16))
+    compiled = _compile_for()(
+        generation,
+        attention,
+        ((B, T, Hq, D), bf16),
+        ((B, t, Hkv, D), bf16),
+        ((B, t, Hkv, Dv), bf16),
+    )
     _write_hlo(compiled, hlo_out)
     return compiled
 
 
-def compile_ragged(generation: str, *, kind: str, m: int, k: int, n: int, G: int, config: dict,
-                   hlo_out: str | None = None):
+def compile_ragged(
+    generation: str,
+    *,
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    G: int,
+    config: dict,
+    hlo_out: str | None = None,
+):
     """tokamax's `pallas_mosaic_tpu_ragged_dot` kernel for one of its three uses: fwd = gmm
     (lhs [m, k] @ rhs [G, k, n]); dlhs = gmm against rhs [G, n, k] transposed (dout [m, k] here
     is the row's lhs); drhs = tgmm (lhs [m, k], dout [m, n] -> [G, k, n]). The group sizes are an
@@ -356,8 +416,12 @@ def compile_ragged(generation: str, *, kind: str, m: int, k: int, n: int, G: int
 
     rk = _ragged_kernel_module()
     tiling = (int(config["tile_m"]), int(config["tile_k"]), int(config["tile_n"]))
-    common = dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32, out_dtype=jnp.bfloat16,
-                  tiling=tiling, input_buffer_count=int(config.get("input_buffer_count", 2)))
+    common = dict(
+        precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+        out_dtype=jnp.bfloat16,
+        tiling=tiling,
+        input_buffer_count=int(config.get("input_buffer_count", 2)),
+    )
     bf16 = jnp.bfloat16
     gs = ((G,), jnp.int32)
     if kind == "fwd":
@@ -368,7 +432,8 @@ def compile_ragged(generation: str, *, kind: str, m: int, k: int, n: int, G: int
         args = (((m, k), bf16), ((G, n, k), bf16), gs)
     elif kind == "drhs":
         fn = lambda lhs, rhs, g: rk.tgmm(
-            lhs.mT, rhs, g, combine_scopes=bool(config.get("combine_scopes", False)), **common)
+            lhs.mT, rhs, g, combine_scopes=bool(config.get("combine_scopes", False)), **common
+        )
         args = (((m, k), bf16), ((m, n), bf16), gs)
     else:
         raise ValueError(f"kind must be fwd, dlhs or drhs, got {kind!r}")
@@ -417,7 +482,9 @@ def _type_bytes(text: str) -> int:
     total = 0
     for dt, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", text):
         if dt in _dtype_bytes():
-            total += _dtype_bytes()[dt] * (math.prod(int(d) for d in dims.split(",") if d) if dims else 1)
+            total += _dtype_bytes()[dt] * (
+                math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            )
     return total
 
 
@@ -436,15 +503,23 @@ def xla_ops(hlo_text: str, kernel_prefix: str) -> list[dict]:
     for name, ty in re.findall(r"([\w.\-]+): ([a-z0-9]+\[[\d,]*\])", head):
         sizes[name] = _type_bytes(ty)
     out = []
-    for ln in lines[start + 1:]:  # the entry computation comes last in the module
-        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[a-z0-9]+\[[\d,]*\]\S*) ([\w\-]+)\((.*)", ln)
+    for ln in lines[start + 1 :]:  # the entry computation comes last in the module
+        m = re.match(
+            r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[a-z0-9]+\[[\d,]*\]\S*) ([\w\-]+)\((.*)", ln
+        )
         if not m:
             continue
         name, ty, opcode, rest = m.groups()
         nbytes = _type_bytes(ty.split("{")[0] if not ty.startswith("(") else ty)
         sizes[name] = nbytes
-        if opcode in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple",
-                      "custom-call") or name.startswith(kernel_prefix):
+        if opcode in (
+            "parameter",
+            "constant",
+            "bitcast",
+            "get-tuple-element",
+            "tuple",
+            "custom-call",
+        ) or name.startswith(kernel_prefix):
             continue
         args = rest.split(")", 1)[0]
         read = sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
@@ -471,14 +546,19 @@ def kernel_structure(dump_dir: str, name: str, generation: str) -> dict:
     lo, hi = (g.start, g.end) if g else (0, len(s.bundles))
     inner = sorted((a, b) for a, b in regions if lo <= a and b <= hi)
     seg = s.loop_segment(g) if g else s.whole()
-    return {"kernel": s.name, "bundles_total": len(s.bundles), "grid_loop": hi - lo,
-            "outside_loop": len(s.bundles) - (hi - lo),
-            "inner_loops": [lp.bundles for lp in (g.children if g else [])],
-            "regions": [[a - lo, b - lo] for a, b in inner],
-            "loop_occupancy": {u: round(seg.occupancy(u), 4) for u in ("MXU", "VALU", "EUP",
-                                                                      "XLU", "VLOAD", "VSTORE")},
-            "loop_ops": {k: seg.ops.get(k, 0) for k in ("vmatmul", "vpow2", "vxpose", "dma")},
-            "summary": s.summary()["hot"] if s.hot_loop() else None}
+    return {
+        "kernel": s.name,
+        "bundles_total": len(s.bundles),
+        "grid_loop": hi - lo,
+        "outside_loop": len(s.bundles) - (hi - lo),
+        "inner_loops": [lp.bundles for lp in (g.children if g else [])],
+        "regions": [[a - lo, b - lo] for a, b in inner],
+        "loop_occupancy": {
+            u: round(seg.occupancy(u), 4) for u in ("MXU", "VALU", "EUP", "XLU", "VLOAD", "VSTORE")
+        },
+        "loop_ops": {k: seg.ops.get(k, 0) for k in ("vmatmul", "vpow2", "vxpose", "dma")},
+        "summary": s.summary()["hot"] if s.hot_loop() else None,
+    }
 
 
 def compile_row(row, timeout: int = 900) -> dict:
@@ -492,8 +572,19 @@ def compile_row(row, timeout: int = 900) -> dict:
     hlo_out = os.path.join(dump_dir, "program.hlo")
     if isinstance(row, AttentionRow):
         target, name, prefix = "validate_schedule:compile_splash", "splash", "splash"
-        args = dict(B=row.B, T=row.T, t=row.t, Hq=row.Hq, Hkv=row.Hkv, D=row.D, Dv=row.Dv,
-                    causal=row.causal, residuals=row.residuals, config=row.cfg, hlo_out=hlo_out)
+        args = dict(
+            B=row.B,
+            T=row.T,
+            t=row.t,
+            Hq=row.Hq,
+            Hkv=row.Hkv,
+            D=row.D,
+            Dv=row.Dv,
+            causal=row.causal,
+            residuals=row.residuals,
+            config=row.cfg,
+            hlo_out=hlo_out,
+        )
     else:
         m, k, n = row.mkn
         target, name, prefix = "validate_schedule:compile_ragged", "gmm", "gmm"
@@ -501,11 +592,20 @@ def compile_row(row, timeout: int = 900) -> dict:
     t0 = time.time()
     try:
         env = dict(os.environ)
-        env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " "
-                                   + llo.dump_flags(dump_dir, name)).strip()
+        env["LIBTPU_INIT_ARGS"] = (
+            env.get("LIBTPU_INIT_ARGS", "") + " " + llo.dump_flags(dump_dir, name)
+        ).strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
-        cmd = [sys.executable, str(HERE / "llo_schedule.py"), "--compile-only", target,
-               "--generation", row.gen, "--args", json.dumps(args)]
+        cmd = [
+            sys.executable,
+            str(HERE / "llo_schedule.py"),
+            "--compile-only",
+            target,
+            "--generation",
+            row.gen,
+            "--args",
+            json.dumps(args),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             return {"error": proc.stderr[-1500:], "compile_s": round(time.time() - t0, 1)}
@@ -590,7 +690,9 @@ def predict_attention(row: AttentionRow, struct: dict, p: ModelParams) -> dict:
     mxu_s = flops_per_step / (g.bf16_flops / (cores if row.gen == "v5p" else 1))
     rows = trips["rows"]
     steps_per_row = trips["steps"] / rows
-    dma_step = (kv_bytes if (kv_steps > 1 or rows == 1) else kv_bytes / rows) + row_bytes / steps_per_row
+    dma_step = (
+        kv_bytes if (kv_steps > 1 or rows == 1) else kv_bytes / rows
+    ) + row_bytes / steps_per_row
     t_full = max((common + unmasked) / clock, dma_step / bw, mxu_s) + p.step_s(g)
     t_part = max((common + masked) / clock, dma_step / bw, mxu_s) + p.step_s(g)
     per_head = trips["full"] * t_full + trips["partial"] * t_part + rows * (init + end) / clock
@@ -598,13 +700,21 @@ def predict_attention(row: AttentionRow, struct: dict, p: ModelParams) -> dict:
     xla_s = sum(op["bytes"] for op in struct["xla_ops"]) / g.hbm_bytes_per_s
     n_xla = len(struct["xla_ops"])
     total = kernel_s + xla_s + p.call_overhead_s + n_xla * p.xla_op_overhead_s
-    bound = "bundles" if (common + unmasked) / clock >= max(dma_step / bw, mxu_s) else (
-        "dma" if dma_step / bw >= mxu_s else "mxu")
-    return {"pred_ms": total * 1e3, "kernel_ms": kernel_s * 1e3, "xla_ms": xla_s * 1e3,
-            "n_xla_ops": n_xla, "step_bundles": {"full": common + unmasked,
-                                                 "partial": common + masked},
-            "steps_per_head": trips["steps"], "partial_per_head": trips["partial"],
-            "step_bound": bound}
+    bound = (
+        "bundles"
+        if (common + unmasked) / clock >= max(dma_step / bw, mxu_s)
+        else ("dma" if dma_step / bw >= mxu_s else "mxu")
+    )
+    return {
+        "pred_ms": total * 1e3,
+        "kernel_ms": kernel_s * 1e3,
+        "xla_ms": xla_s * 1e3,
+        "n_xla_ops": n_xla,
+        "step_bundles": {"full": common + unmasked, "partial": common + masked},
+        "steps_per_head": trips["steps"],
+        "partial_per_head": trips["partial"],
+        "step_bound": bound,
+    }
 
 
 def ragged_visits(group_sizes, tile_m: int, visit_empty: bool) -> list[tuple[int, int]]:
@@ -613,7 +723,7 @@ def ragged_visits(group_sizes, tile_m: int, visit_empty: bool) -> list[tuple[int
     for gi, size in enumerate(group_sizes):
         if size == 0:
             if visit_empty:
-                out.append((min(start // tile_m, 10 ** 9), gi))
+                out.append((min(start // tile_m, 10**9), gi))
             continue
         end = start + size
         for tile in range(start // tile_m, (end - 1) // tile_m + 1):
@@ -665,7 +775,7 @@ def predict_ragged(row: RaggedRow, struct: dict, p: ModelParams) -> dict:
         # a group written at its last visit. Steps inside a group accumulate (the smallest
         # body), a group's first and last steps also initialize / store (the largest).
         t = 0.0
-        for vi, (tile, grp) in enumerate(visits):
+        for vi, (_tile, grp) in enumerate(visits):
             first = vi == 0 or visits[vi - 1][1] != grp
             last = vi + 1 == len(visits) or visits[vi + 1][1] != grp
             dma = tm * tk * 2 + tm * tn * 2 + (tk * tn * 2 if last else 0)
@@ -679,9 +789,16 @@ def predict_ragged(row: RaggedRow, struct: dict, p: ModelParams) -> dict:
     total = kernel_s + xla_s + p.call_overhead_s + n_xla * p.xla_op_overhead_s
     step_c = (rest + hi_body) / clock
     bound = "bundles" if step_c >= mxu_s else "mxu"
-    return {"pred_ms": total * 1e3, "kernel_ms": kernel_s * 1e3, "xla_ms": xla_s * 1e3,
-            "n_xla_ops": n_xla, "steps": total_steps, "step_bundles": rest + hi_body,
-            "mxu_floor_bundles": round(mxu_s * clock), "step_bound": bound}
+    return {
+        "pred_ms": total * 1e3,
+        "kernel_ms": kernel_s * 1e3,
+        "xla_ms": xla_s * 1e3,
+        "n_xla_ops": n_xla,
+        "steps": total_steps,
+        "step_bundles": rest + hi_body,
+        "mxu_floor_bundles": round(mxu_s * clock),
+        "step_bound": bound,
+    }
 
 
 # -------------------------------------------------------------------------------------------------
@@ -708,12 +825,15 @@ def select_rows(rows, per_generation: int) -> list:
         keys = [k for k, rs in by_key.items() if rs[0].gen == gen]
         groups: dict = {}
         # cheapest first; a config published twice (ragged dot) validates two rows per compile
-        for k in sorted(keys, key=lambda k: (_compile_cost(by_key[k][0]) / len(by_key[k]))):
+        for k in sorted(keys, key=lambda k: _compile_cost(by_key[k][0]) / len(by_key[k])):
             r = by_key[k][0]
-            shape = (r.kind, r.lhs, r.rhs) if isinstance(r, RaggedRow) else (r.B, r.T, r.D, r.causal)
+            shape = (
+                (r.kind, r.lhs, r.rhs) if isinstance(r, RaggedRow) else (r.B, r.T, r.D, r.causal)
+            )
             groups.setdefault(shape, []).append(k)
-        order = sorted(groups.values(),
-                       key=lambda ks: _compile_cost(by_key[ks[0]][0]) / len(by_key[ks[0]]))
+        order = sorted(
+            groups.values(), key=lambda ks: _compile_cost(by_key[ks[0]][0]) / len(by_key[ks[0]])
+        )
         picked: list[str] = []
         while len(picked) < per_generation and any(order):
             for ks in order:
@@ -732,8 +852,10 @@ def load_cache() -> dict:
 
 def save_cache(kernels: dict, extra: dict | None = None):
     RESULTS.mkdir(exist_ok=True)
-    data = {"note": "scheduled (modelled from libtpu's compiled schedule), not measured",
-            "kernels": kernels}
+    data = {
+        "note": "scheduled (modelled from libtpu's compiled schedule), not measured",
+        "kernels": kernels,
+    }
     if CACHE.exists():
         old = json.loads(CACHE.read_text())
         for k, v in old.items():
@@ -756,8 +878,10 @@ def compile_missing(rows, budget_s: float, log=print) -> dict:
         out = compile_row(r)
         kernels[key] = out
         save_cache(kernels)
-        log(f"{key}: {'ERROR ' + out['error'][-200:] if 'error' in out else out['grid_loop']} "
-            f"({out['compile_s']} s)")
+        log(
+            f"{key}: {'ERROR ' + out['error'][-200:] if 'error' in out else out['grid_loop']} "
+            f"({out['compile_s']} s)"
+        )
     return kernels
 
 
@@ -769,8 +893,16 @@ def evaluate(rows, kernels: dict, p: ModelParams) -> list[dict]:
             continue
         pred = (predict_attention if isinstance(r, AttentionRow) else predict_ragged)(r, s, p)
         family = "attention" if isinstance(r, AttentionRow) else f"ragged_dot {r.kind}"
-        out.append({"family": family, "gen": r.gen, "key": r.key(), "measured_ms": r.ms,
-                    **pred, "ratio": pred["pred_ms"] / r.ms})
+        out.append(
+            {
+                "family": family,
+                "gen": r.gen,
+                "key": r.key(),
+                "measured_ms": r.ms,
+                **pred,
+                "ratio": pred["pred_ms"] / r.ms,
+            }
+        )
     return out
 
 
@@ -781,11 +913,16 @@ def stats(results: list[dict]) -> dict:
     logs = sorted(math.log(x) for x in ratios)
     worst = max(results, key=lambda x: abs(math.log(x["ratio"])))
     q = lambda f: math.exp(logs[min(len(logs) - 1, int(f * len(logs)))])
-    return {"rows": len(ratios), "median_ratio": round(statistics.median(ratios), 3),
-            "p10": round(q(0.1), 3), "p90": round(q(0.9), 3),
-            "spread_log_sd": round(statistics.pstdev(logs), 3),
-            "worst_ratio": round(worst["ratio"], 3), "worst_key": worst["key"],
-            "within_25pct": round(sum(0.75 <= x <= 1.25 for x in ratios) / len(ratios), 3)}
+    return {
+        "rows": len(ratios),
+        "median_ratio": round(statistics.median(ratios), 3),
+        "p10": round(q(0.1), 3),
+        "p90": round(q(0.9), 3),
+        "spread_log_sd": round(statistics.pstdev(logs), 3),
+        "worst_ratio": round(worst["ratio"], 3),
+        "worst_key": worst["key"],
+        "within_25pct": round(sum(0.75 <= x <= 1.25 for x in ratios) / len(ratios), 3),
+    }
 
 
 def fit_clocks(rows, kernels, base: ModelParams) -> ModelParams:
@@ -816,17 +953,21 @@ def write_report(rows, kernels):
     res = evaluate(rows, kernels, base)
     fitted = fit_clocks(rows, kernels, base)
     res_fit = evaluate(rows, kernels, fitted)
+
     def table(results):
         groups: dict = {}
         for x in results:
             groups.setdefault((x["family"].split()[0], x["gen"]), []).append(x)
             groups.setdefault((x["family"].split()[0], "all"), []).append(x)
         return {f"{k[0]}|{k[1]}": stats(v) for k, v in sorted(groups.items())}
+
     no_step = evaluate(rows, kernels, dataclasses.replace(base, step_overhead_s=0.0))
-    summary = {"assumed": {"clock_hz": base.clock_hz, "stats": table(res)},
-               "fitted": {"clock_hz": fitted.clock_hz, "stats": table(res_fit)},
-               "assumed_no_step_overhead": {"clock_hz": base.clock_hz, "stats": table(no_step)},
-               "rows": res}
+    summary = {
+        "assumed": {"clock_hz": base.clock_hz, "stats": table(res)},
+        "fitted": {"clock_hz": fitted.clock_hz, "stats": table(res_fit)},
+        "assumed_no_step_overhead": {"clock_hz": base.clock_hz, "stats": table(no_step)},
+        "rows": res,
+    }
     save_cache(kernels, {"validation": summary})
     REPORT.write_text(render_report(summary, res_fit, kernels))
     print(json.dumps({k: v["stats"] for k, v in summary.items() if k != "rows"}, indent=1))
@@ -834,12 +975,16 @@ def write_report(rows, kernels):
 
 
 def _stats_table(st: dict) -> list[str]:
-    out = ["| family | generation | rows | median pred/meas | p10-p90 | log sd | worst | within +-25% |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| family | generation | rows | median pred/meas | p10-p90 | log sd | worst | within +-25% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for k, v in st.items():
         fam, gen = k.split("|")
-        out.append(f"| {fam} | {gen} | {v['rows']} | {v['median_ratio']} | {v['p10']}-{v['p90']} "
-                   f"| {v['spread_log_sd']} | {v['worst_ratio']} | {v['within_25pct']:.0%} |")
+        out.append(
+            f"| {fam} | {gen} | {v['rows']} | {v['median_ratio']} | {v['p10']}-{v['p90']} "
+            f"| {v['spread_log_sd']} | {v['worst_ratio']} | {v['within_25pct']:.0%} |"
+        )
     return out
 
 
@@ -849,17 +994,23 @@ def coverage(results: list[dict]) -> str:
     seq = sorted({int(k[3][1:]) for k in att})
     dims = sorted({k[6] for k in att})
     kinds = sorted({k[2] for k in rag})
-    return (f"attention T in {seq}, D {dims}, causal {sum('causal' in k for k in att)} / full "
-            f"{sum('full' in k for k in att)}, with residuals {sum('res1' in k for k in att)}; "
-            f"ragged dot kinds {kinds} "
-            f"({', '.join(f'{kd} {sum(k[2] == kd for k in rag)}' for kd in kinds)}), "
-            f"m from {min(int(k[3][3:].split('x')[0]) for k in rag)} to "
-            f"{max(int(k[3][3:].split('x')[0]) for k in rag)}" if att and rag else "n/a")
+    return (
+        f"attention T in {seq}, D {dims}, causal {sum('causal' in k for k in att)} / full "
+        f"{sum('full' in k for k in att)}, with residuals {sum('res1' in k for k in att)}; "
+        f"ragged dot kinds {kinds} "
+        f"({', '.join(f'{kd} {sum(k[2] == kd for k in rag)}' for kd in kinds)}), "
+        f"m from {min(int(k[3][3:].split('x')[0]) for k in rag)} to "
+        f"{max(int(k[3][3:].split('x')[0]) for k in rag)}"
+        if att and rag
+        else "n/a"
+    )
 
 
 def render_report(summary: dict, rows_fit: list[dict], kernels: dict) -> str:
     a, f = summary["assumed"], summary["fitted"]
-    clocks = lambda c: ", ".join(f"{g} {c[g] / 1e9:.3g} GHz" for g in ("v5e", "v5p", "v6e", "tpu7x"))
+    clocks = lambda c: ", ".join(
+        f"{g} {c[g] / 1e9:.3g} GHz" for g in ("v5e", "v5p", "v6e", "tpu7x")
+    )
     compile_s = sum(k.get("compile_s", 0) for k in kernels.values())
     lines = [
         "# Validation of the compiled-schedule time model against tokamax's published TPU timings",
@@ -919,10 +1070,12 @@ def render_report(summary: dict, rows_fit: list[dict], kernels: dict) -> str:
     for x in sorted(rows_fit, key=lambda x: (x["family"], x["gen"], x["key"])):
         sb = x["step_bundles"]
         sb = f"{sb['full']}/{sb['partial']}" if isinstance(sb, dict) else sb
-        lines.append(f"| {x['family']} | {x['gen']} | `{x['key'].split('|', 2)[2]}` | "
-                     f"{x['measured_ms']:.3f} | {x['pred_ms']:.3f} | {x['ratio']:.2f} | "
-                     f"{x['kernel_ms']:.3f} | {x['xla_ms']:.3f} ({x['n_xla_ops']}) | {sb} | "
-                     f"{x['step_bound']} |")
+        lines.append(
+            f"| {x['family']} | {x['gen']} | `{x['key'].split('|', 2)[2]}` | "
+            f"{x['measured_ms']:.3f} | {x['pred_ms']:.3f} | {x['ratio']:.2f} | "
+            f"{x['kernel_ms']:.3f} | {x['xla_ms']:.3f} ({x['n_xla_ops']}) | {sb} | "
+            f"{x['step_bound']} |"
+        )
     lines += ["", UNMODELLED]
     return "\n".join(lines) + "\n"
 
@@ -963,8 +1116,12 @@ UNMODELLED = """## What stays unmodelled
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=("attention", "ragged_dot", "both"), default="both")
-    ap.add_argument("--per-generation", type=int, default=11,
-                    help="distinct compiled kernels per generation and family")
+    ap.add_argument(
+        "--per-generation",
+        type=int,
+        default=11,
+        help="distinct compiled kernels per generation and family",
+    )
     ap.add_argument("--ragged-per-generation", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=1500, help="total compile time allowed")
     ap.add_argument("--report", action="store_true", help="no compiles: report from the cache")
@@ -974,7 +1131,6 @@ def main(argv=None):
         fams.append(select_rows(load_attention_rows(), a.per_generation))
     if a.family in ("ragged_dot", "both"):
         fams.append(select_rows(load_ragged_rows(), a.ragged_per_generation))
-    rows = [r for f in fams for r in f]
     if not a.report:
         # alternate families and generations so a spent budget leaves every one with rows
         import itertools

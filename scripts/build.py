@@ -84,8 +84,13 @@ def _write(path: Path, data: bytes | str) -> None:
     path.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
-def build_variant(coll: Collection, entry: KernelEntry, backend: str, dest: Path,
-                  sources: dict[str, bytes] | None = None) -> dict:
+def build_variant(
+    coll: Collection,
+    entry: KernelEntry,
+    backend: str,
+    dest: Path,
+    sources: dict[str, bytes] | None = None,
+) -> dict:
     """Write one variant folder (from `sources`, default: read them); return its metadata."""
     from kernels._rust import Digest, DigestAlgorithm
 
@@ -130,7 +135,7 @@ repo-id = "{coll.repo_id(entry)}"
 
 
 def repo_flake_nix(entry: KernelEntry) -> str:
-    return f'''{{
+    return f"""{{
   description = "Flake for the {entry.hub_name} kernel";
 
   inputs = {{
@@ -144,13 +149,15 @@ def repo_flake_nix(entry: KernelEntry) -> str:
       path = ./.;
     }};
 }}
-'''
+"""
 
 
 def kernel_card(coll: Collection, entry: KernelEntry) -> str:
     repo_id = coll.repo_id(entry)
     usage = _CARD_USAGE.get(entry.key, "").format(repo_id=repo_id)
-    extra = _CARD_EXTRA.get(entry.key, "").format(repo_id=repo_id, pinned=pinned_flash_models_text())
+    extra = _CARD_EXTRA.get(entry.key, "").format(
+        repo_id=repo_id, pinned=pinned_flash_models_text()
+    )
     exports = ", ".join(f"`{e}`" for e in entry.exports)
     performance = performance_section(entry.key, load_results(coll), coll.source_url)
     tested = tested_with_section(entry.key)
@@ -240,14 +247,18 @@ def perf_cell(per_gen: dict | None) -> tuple[str, str]:
 def performance_section(key: str, results: dict | None, source_url: str = "") -> str:
     """The card's "Performance" section: per named shape, our time beside the anchors' on v5e, v6e
     and TPU7x, from benchmarks/results/results.json ("" when there are no rows for `key`)."""
-    rows = [r for r in ((results or {}).get("named") or {}).get("rows", []) if r.get("kernel") == key]
+    rows = [
+        r for r in ((results or {}).get("named") or {}).get("rows", []) if r.get("kernel") == key
+    ]
     if not rows:
         return ""
     gens = [g for g in RESULTS_GENERATIONS if any(g in r.get("per_generation", {}) for r in rows)]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))  # first-seen order
     kinds = set()
-    lines = ["| shape | implementation | " + " | ".join(gens) + " |",
-             "|---|---|" + "---|" * len(gens)]
+    lines = [
+        "| shape | implementation | " + " | ".join(gens) + " |",
+        "|---|---|" + "---|" * len(gens),
+    ]
     for shape in shapes:
         group = [r for r in rows if r["shape"] == shape]
         group.sort(key=lambda r: r["impl"] != "ours")  # ours first, anchors in results order
@@ -258,39 +269,59 @@ def performance_section(key: str, results: dict | None, source_url: str = "") ->
                 kinds.add(kind)
                 cells.append(f"**{text}**" if row["impl"] == "ours" and kind != "none" else text)
             label = row.get("label", row["impl"])
-            lines.append(f"| {f'`{shape}`' if i == 0 else ''} | {label} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {f'`{shape}`' if i == 0 else ''} | {label} | " + " | ".join(cells) + " |"
+            )
     meta = (results or {}).get("meta") or {}
     versions = ", ".join(f"{k} {v}" for k, v in sorted(meta.items()))
     legend = []
     if "measured" in kinds:
-        legend.append("\"measured\": timed on a TPU (`python benchmarks/run.py --device tpu`).")
+        legend.append('"measured": timed on a TPU (`python benchmarks/run.py --device tpu`).')
     if "scheduled" in kinds:
-        legend.append("A plain number is the compiled schedule, not a run: the kernel's VLIW "
-                      "bundles from a deviceless libtpu compile at the chip's clock, or its HBM "
-                      "traffic at full bandwidth where that takes longer; in brackets the MXU "
-                      "occupancy of the hot loop and what bounds it (a unit's slots, or DMA).")
+        legend.append(
+            "A plain number is the compiled schedule, not a run: the kernel's VLIW "
+            "bundles from a deviceless libtpu compile at the chip's clock, or its HBM "
+            "traffic at full bandwidth where that takes longer; in brackets the MXU "
+            "occupancy of the hot loop and what bounds it (a unit's slots, or DMA)."
+        )
     if "model" in kinds:
-        legend.append("\"≥ N\" is the roofline model, not a schedule: max(MXU FLOPs / peak, HBM "
-                      "bytes / bandwidth) + a fixed cost per grid step. It ignores vector, exp and "
-                      "load/store work, so it is an upper bound on speed (the real time is at "
-                      "least N); do not pick a winner from it.")
-    status = ("Times in µs per call, bf16, one chip, from the committed "
-              f"`benchmarks/results/results.json`, written by `{BENCH_COMMAND}`"
-              + (f"; {versions}" if versions else "") + ").")
+        legend.append(
+            '"≥ N" is the roofline model, not a schedule: max(MXU FLOPs / peak, HBM '
+            "bytes / bandwidth) + a fixed cost per grid step. It ignores vector, exp and "
+            "load/store work, so it is an upper bound on speed (the real time is at "
+            "least N); do not pick a winner from it."
+        )
+    status = (
+        "Times in µs per call, bf16, one chip, from the committed "
+        f"`benchmarks/results/results.json`, written by `{BENCH_COMMAND}`"
+        + (f"; {versions}" if versions else "")
+        + ")."
+    )
     if "measured" in kinds:
-        status += " Cells without \"measured\" are not measured on a TPU."
+        status += ' Cells without "measured" are not measured on a TPU.'
     elif "scheduled" in kinds:
         status += " **Scheduled, not measured on a TPU**: no TPU run exists yet."
         if "model" in kinds:
-            status += " Cells marked ≥ have no compiled schedule recorded and show the roofline model."
+            status += (
+                " Cells marked ≥ have no compiled schedule recorded and show the roofline model."
+            )
     else:
-        status += (" **Not measured on a TPU, and no compiled schedule recorded yet**: every cell is "
-                   "the roofline model (≥ N, below).")
+        status += (
+            " **Not measured on a TPU, and no compiled schedule recorded yet**: every cell is "
+            "the roofline model (≥ N, below)."
+        )
     details = " Every column, byte and step count: `benchmarks/results/results.md`"
     details += f" in {source_url}." if source_url else "."
-    return ("\n## Performance\n\n" + status + " Anchors are the Pallas TPU kernels shipped in "
-            "the jax wheel, on the same shapes." + details + "\n\n" + "\n".join(lines) + "\n\n"
-            + "\n".join(f"- {item}" for item in legend) + "\n")
+    return (
+        "\n## Performance\n\n" + status + " Anchors are the Pallas TPU kernels shipped in "
+        "the jax wheel, on the same shapes."
+        + details
+        + "\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + "\n".join(f"- {item}" for item in legend)
+        + "\n"
+    )
 
 
 # What the test suite runs each kernel on: (test file, a string that file must contain, the line
@@ -298,59 +329,89 @@ def performance_section(key: str, results: dict | None, source_url: str = "") ->
 # cannot outlive the test it describes.
 TESTED_WITH = {
     "ragged_dot": [
-        ("tests/test_ragged_dot_e2e.py", "Qwen3MoeConfig",
-         "Transformers, tiny random Qwen3-MoE and Mixtral models (no download), the kernel loaded "
-         "with `get_kernel` from an offline Hub cache: logits against `experts_implementation="
-         "\"eager\"` in f32 and bf16, greedy generation, one training step's gradients, "
-         "expert-parallel placeholder ids, gated / non-gated / biased / transposed expert layouts."),
+        (
+            "tests/test_ragged_dot_e2e.py",
+            "Qwen3MoeConfig",
+            "Transformers, tiny random Qwen3-MoE and Mixtral models (no download), the kernel loaded "
+            "with `get_kernel` from an offline Hub cache: logits against `experts_implementation="
+            '"eager"` in f32 and bf16, greedy generation, one training step\'s gradients, '
+            "expert-parallel placeholder ids, gated / non-gated / biased / transposed expert layouts.",
+        ),
         ("tests/test_ragged_dot_e2e.py", "MixtralConfig", None),
-        ("tests/test_ragged_dot_compile.py", "qwen3_30b_a3b_4096tok",
-         "Deviceless Mosaic compiles for v5e, v6e and TPU7x of the forward, dlhs and weight "
-         "gradient at Qwen3-30B-A3B experts (hidden 2048, expert intermediate 768, 128 experts, "
-         "top-8; 64 and 4096 tokens) and Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, "
-         "top-2; 4096 tokens), and the quantised forward (int8 on v5e / v6e, fp8 on TPU7x)."),
+        (
+            "tests/test_ragged_dot_compile.py",
+            "qwen3_30b_a3b_4096tok",
+            "Deviceless Mosaic compiles for v5e, v6e and TPU7x of the forward, dlhs and weight "
+            "gradient at Qwen3-30B-A3B experts (hidden 2048, expert intermediate 768, 128 experts, "
+            "top-8; 64 and 4096 tokens) and Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, "
+            "top-2; 4096 tokens), and the quantised forward (int8 on v5e / v6e, fp8 on TPU7x).",
+        ),
         ("tests/test_ragged_dot_compile.py", "mixtral_8x7b_4096tok", None),
-        ("tests/test_ragged_dot_kernel.py", "hypothesis",
-         "The kernels against an f32 reference in Pallas interpret mode over hypothesis-drawn "
-         "ragged group sizes (empty and one-row groups, sizes straddling tiles), and small shapes "
-         "in TPU interpret mode (race detection, NaN-filled memory, raising out-of-bounds reads)."),
+        (
+            "tests/test_ragged_dot_kernel.py",
+            "hypothesis",
+            "The kernels against an f32 reference in Pallas interpret mode over hypothesis-drawn "
+            "ragged group sizes (empty and one-row groups, sizes straddling tiles), and small shapes "
+            "in TPU interpret mode (race detection, NaN-filled memory, raising out-of-bounds reads).",
+        ),
     ],
     "flash_attention": [
-        ("tests/test_flash_attention_e2e.py", "LlamaConfig",
-         "Transformers, tiny random Llama and Qwen3 models (no download), through the registered "
-         "name and through `attn_implementation=\"<repo>\"` from an offline Hub cache: logits "
-         "against sdpa (f32, 1e-4 relative) on padded and unpadded batches, greedy generation, one "
-         "training step's gradients."),
+        (
+            "tests/test_flash_attention_e2e.py",
+            "LlamaConfig",
+            "Transformers, tiny random Llama and Qwen3 models (no download), through the registered "
+            'name and through `attn_implementation="<repo>"` from an offline Hub cache: logits '
+            "against sdpa (f32, 1e-4 relative) on padded and unpadded batches, greedy generation, one "
+            "training step's gradients.",
+        ),
         ("tests/test_flash_attention_e2e.py", "Qwen3Config", None),
-        ("tests/test_flash_attention_e2e.py", "GptOssConfig",
-         "A tiny random GPT-OSS (random attention sinks, alternating sliding-window and full "
-         "layers) through the registered name: logits against eager attention and greedy "
-         "generation."),
-        ("tests/test_flash_attention_compile.py", "gemma2",
-         "Deviceless Mosaic compiles for v5e, v6e and TPU7x, forward and backward: Llama-3-8B "
-         "heads (32 query, 8 KV, d=128) at 8192 tokens, causal and with a 1024 window, packed "
-         "documents (segment ids); MQA 32x1 at 4096; Gemma-2-style d=256, soft cap 50, window "
-         "4096 at 8192; varlen with sinks at d=80."),
+        (
+            "tests/test_flash_attention_e2e.py",
+            "GptOssConfig",
+            "A tiny random GPT-OSS (random attention sinks, alternating sliding-window and full "
+            "layers) through the registered name: logits against eager attention and greedy "
+            "generation.",
+        ),
+        (
+            "tests/test_flash_attention_compile.py",
+            "gemma2",
+            "Deviceless Mosaic compiles for v5e, v6e and TPU7x, forward and backward: Llama-3-8B "
+            "heads (32 query, 8 KV, d=128) at 8192 tokens, causal and with a 1024 window, packed "
+            "documents (segment ids); MQA 32x1 at 4096; Gemma-2-style d=256, soft cap 50, window "
+            "4096 at 8192; varlen with sinks at d=80.",
+        ),
         ("tests/test_flash_attention_compile.py", "mqa_32x1", None),
-        ("tests/test_flash_attention_kernel.py", "hypothesis",
-         "The kernels against an f32 reference in Pallas interpret mode over hypothesis-drawn "
-         "shapes and features (GQA, causal, window, soft cap, sinks, varlen, head dims), forward "
-         "and gradients, and small shapes in TPU interpret mode."),
+        (
+            "tests/test_flash_attention_kernel.py",
+            "hypothesis",
+            "The kernels against an f32 reference in Pallas interpret mode over hypothesis-drawn "
+            "shapes and features (GQA, causal, window, soft cap, sinks, varlen, head dims), forward "
+            "and gradients, and small shapes in TPU interpret mode.",
+        ),
     ],
     "paged_attention": [
-        ("tests/test_paged_attention_e2e.py", "generate_batch",
-         "Transformers, a tiny random Llama (no download): continuous batching (`generate_batch`) "
-         "through `flash_attn_varlen_func` and, with Transformers' CUDA/XPU-only gate lifted, "
-         "through `flash_attn_with_kvcache` on Transformers' own page table, and the registered "
-         "attention with `generate`: greedy tokens identical to eager `generate`."),
-        ("tests/test_paged_attention_compile.py", "CTX",
-         "Deviceless Mosaic compiles for v5e, v6e and TPU7x at Llama-3-8B serving sizes (32 query "
-         "heads, 8 KV heads, d=128, bf16): decode batch 64 x 8192-token contexts and a 2048-token "
-         "prefill chunk with 63 decodes, pages of 16 and 128 tokens."),
-        ("tests/test_paged_attention_kernel.py", "hypothesis",
-         "The kernel against an f32 reference in Pallas interpret mode over hypothesis-drawn "
-         "ragged batches (decodes, prefill chunks, mixed; sliding window, soft cap) and small "
-         "shapes in TPU interpret mode."),
+        (
+            "tests/test_paged_attention_e2e.py",
+            "generate_batch",
+            "Transformers, a tiny random Llama (no download): continuous batching (`generate_batch`) "
+            "through `flash_attn_varlen_func` and, with Transformers' CUDA/XPU-only gate lifted, "
+            "through `flash_attn_with_kvcache` on Transformers' own page table, and the registered "
+            "attention with `generate`: greedy tokens identical to eager `generate`.",
+        ),
+        (
+            "tests/test_paged_attention_compile.py",
+            "CTX",
+            "Deviceless Mosaic compiles for v5e, v6e and TPU7x at Llama-3-8B serving sizes (32 query "
+            "heads, 8 KV heads, d=128, bf16): decode batch 64 x 8192-token contexts and a 2048-token "
+            "prefill chunk with 63 decodes, pages of 16 and 128 tokens.",
+        ),
+        (
+            "tests/test_paged_attention_kernel.py",
+            "hypothesis",
+            "The kernel against an f32 reference in Pallas interpret mode over hypothesis-drawn "
+            "ragged batches (decodes, prefill chunks, mixed; sliding window, soft cap) and small "
+            "shapes in TPU interpret mode.",
+        ),
     ],
 }
 
@@ -359,8 +420,10 @@ def tested_with_section(key: str) -> str:
     items = [text for _, _, text in TESTED_WITH.get(key, []) if text]
     if not items:
         return ""
-    return ("\n## Tested with\n\nOn CPU (Pallas interpret modes, deviceless compiles with libtpu; "
-            "no TPU run yet):\n\n" + "\n".join(f"- {t}" for t in items) + "\n")
+    return (
+        "\n## Tested with\n\nOn CPU (Pallas interpret modes, deviceless compiles with libtpu; "
+        "no TPU run yet):\n\n" + "\n".join(f"- {t}" for t in items) + "\n"
+    )
 
 
 # Models whose Transformers class lists `_compatible_flash_implementations` (transformers 5.22.2,
@@ -458,6 +521,8 @@ def build_repo(coll: Collection, entry: KernelEntry, out: Path) -> Path:
     _write(repo / "README.md", kernel_card(coll, entry))
     _write(repo / "build.toml", repo_build_toml(coll, entry))
     _write(repo / "flake.nix", repo_flake_nix(entry))
+    if (coll.root / "LICENSE").is_file():  # the collection's license text travels with each repo
+        _write(repo / "LICENSE", (coll.root / "LICENSE").read_bytes())
     if entry.benchmark is not None:
         _write(repo / "benchmarks" / entry.benchmark.name, entry.benchmark.read_bytes())
     # The kernel-builder source tree (what flake.nix builds): the package sources without _ops.py,
@@ -497,7 +562,9 @@ def build_all(out: Path = DEFAULT_OUT, only: list[str] | None = None, config: Pa
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--kernel", action="append", help="hub name or key; default: all")
     parser.add_argument("--config", type=Path, default=None, help="collection build.toml")

@@ -102,7 +102,9 @@ def load_collection(path: Path | str | None = None) -> Collection:
     coll = data["collection"]
     _check_table(path, "collection", coll, COLLECTION_KEYS)
     if not HUB_ORG_RE.match(coll["hub-org"]):
-        raise ConfigError(f"{path}: key 'collection.hub-org' = {coll['hub-org']!r} is not a valid Hub org")
+        raise ConfigError(
+            f"{path}: key 'collection.hub-org' = {coll['hub-org']!r} is not a valid Hub org"
+        )
     if coll["license"] not in LICENSES:
         raise ConfigError(f"{path}: key 'collection.license' must be one of {LICENSES}")
 

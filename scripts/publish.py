@@ -56,7 +56,9 @@ def plan(dist: Path, only: list[str] | None = None, config: Path | None = None) 
     for entry in entries:
         repo = dist / entry.hub_name
         if not (repo / "build").is_dir() or not (repo / "README.md").is_file():
-            raise PublishError(f"{repo} is not a built kernel repo: run `python scripts/build.py` first")
+            raise PublishError(
+                f"{repo} is not a built kernel repo: run `python scripts/build.py` first"
+            )
         repo_id = coll.repo_id(entry)
         branch = f"v{entry.version}"
         ops.append(Operation("create_repo", repo_id))
@@ -80,17 +82,27 @@ def execute(ops: list[Operation], token: str) -> None:
         if op.verb == "create_repo":
             api.create_repo(op.repo_id, repo_type="kernel", exist_ok=True)
         elif op.verb == "upload_file":
-            api.upload_file(path_or_fileobj=op.path, path_in_repo=op.path_in_repo,
-                            repo_id=op.repo_id, repo_type="kernel", revision=op.revision,
-                            commit_message="Update kernel card")
+            api.upload_file(
+                path_or_fileobj=op.path,
+                path_in_repo=op.path_in_repo,
+                repo_id=op.repo_id,
+                repo_type="kernel",
+                revision=op.revision,
+                commit_message="Update kernel card",
+            )
         elif op.verb == "create_branch":
             api.create_branch(op.repo_id, branch=op.revision, repo_type="kernel", exist_ok=True)
         elif op.verb == "upload_folder":
-            api.upload_folder(folder_path=op.path, path_in_repo=op.path_in_repo, repo_id=op.repo_id,
-                              repo_type="kernel", revision=op.revision,
-                              delete_patterns=list(op.delete_patterns),
-                              ignore_patterns=["**/__pycache__/**", "*.pyc"],
-                              commit_message=f"Upload {op.path_in_repo}/")
+            api.upload_folder(
+                folder_path=op.path,
+                path_in_repo=op.path_in_repo,
+                repo_id=op.repo_id,
+                repo_type="kernel",
+                revision=op.revision,
+                delete_patterns=list(op.delete_patterns),
+                ignore_patterns=["**/__pycache__/**", "*.pyc"],
+                commit_message=f"Upload {op.path_in_repo}/",
+            )
         else:  # pragma: no cover - plan() makes only the verbs above
             raise PublishError(f"unknown operation {op.verb}")
 
@@ -102,7 +114,9 @@ def find_token() -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dist", type=Path, default=ROOT / "dist")
     parser.add_argument("--kernel", action="append", help="hub name or key; default: all")
     parser.add_argument("--config", type=Path, default=None)

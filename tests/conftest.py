@@ -1,23 +1,25 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("tests", "scripts", "torch-ext"):
-    sys.path.insert(0, str(ROOT / sub))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # "ci" keeps hypothesis sweeps bounded (CI runs them); "sweep" is the long form: HYPOTHESIS_PROFILE=sweep.
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, derandomize=True,
+    "ci",
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
-    "sweep", max_examples=200, deadline=None,
+    "sweep",
+    max_examples=200,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

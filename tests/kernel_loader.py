@@ -22,7 +22,7 @@ import collection  # noqa: E402
 _BUILD_DIR = Path(tempfile.mkdtemp(prefix="ptk-test-build-"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def variant_path(key: str, backend: str = "cpu") -> Path:
     coll = collection.load_collection()
     entry = coll.kernel(key)
@@ -31,7 +31,7 @@ def variant_path(key: str, backend: str = "cpu") -> Path:
     return dest
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel(key: str):
     """The built torch-cpu package of kernels/<key> (e.g. "ragged_dot"), as `get_kernel` returns it."""
     from kernels import get_local_kernel
@@ -39,7 +39,7 @@ def load_kernel(key: str):
     return get_local_kernel(variant_path(key), backend="cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def built_collection() -> Path:
     """Every kernel built once per test session with scripts/build.py; returns the output folder
     (repos in <out>/<hub-name>, the offline Hub cache in <out>/hub-cache)."""

@@ -26,8 +26,11 @@ def test_op_equals_the_jax_function(toy, dtype):
     direct = toy.kernel.scale_add(jax_bridge.to_jax(x), jax_bridge.to_jax(y), 0.5, interpret=True)
     np.testing.assert_array_equal(out.float().numpy(), np.asarray(direct.astype(jnp.float32)))
     ref = toy.reference.scale_add(jax_bridge.to_jax(x), jax_bridge.to_jax(y), 0.5)
-    np.testing.assert_allclose(out.float().numpy(), np.asarray(ref.astype(jnp.float32)),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    np.testing.assert_allclose(
+        out.float().numpy(),
+        np.asarray(ref.astype(jnp.float32)),
+        rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+    )
 
 
 def test_opcheck(toy):
@@ -174,3 +177,17 @@ def test_race_raises_in_tpu_interpret_mode(buggy_ops, monkeypatch):
     with pytest.raises(RuntimeError, match="race"):
         racy(x)
     pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.timeout(120)
+def test_race_check_fails_loudly_if_jax_moved_the_detector(toy, tpu_interpret, monkeypatch):
+    """The race check reads jax's private interpreter state (the package's vendored
+    tpu_interpreter.py). If a jax release moves it, TPU interpret mode says so and names the jax
+    version the check was written for. It does not report "no race" without checking."""
+    import importlib
+
+    vendored = importlib.import_module(toy.__name__ + ".tpu_interpreter")
+    monkeypatch.setattr(vendored, "_checked", {})
+    monkeypatch.setattr(vendored, "_PRIVATE_MODULE", "jax._src.pallas.mosaic.interpret.moved")
+    with pytest.raises(vendored.InterpreterAPIError, match=r"race check.*jax==0\.10\.2"):
+        toy.scale_add(torch.zeros(8, 128), torch.zeros(8, 128), 1.0)

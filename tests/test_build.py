@@ -30,7 +30,10 @@ def toy_repo(tmp_path_factory):
 def test_root_collection_is_valid():
     coll = collection.load_collection()
     assert {k.hub_name for k in coll.kernels} == {
-        "ragged-dot-tpu", "flash-attention-tpu", "paged-attention-tpu"}
+        "ragged-dot-tpu",
+        "flash-attention-tpu",
+        "paged-attention-tpu",
+    }
     for k in coll.kernels:
         assert k.version == 1 and set(k.backends) == {"tpu", "cpu"}
         assert k.source == ROOT / "kernels" / k.key
@@ -56,15 +59,30 @@ def _broken_config(tmp_path, edit):
 @pytest.mark.parametrize(
     "edit, key",
     [
-        (lambda t: t.replace('hub-org = "toy-org"', 'hub-org = "toy-org"\nhub_org = "x"'), "collection.hub_org"),
+        (
+            lambda t: t.replace('hub-org = "toy-org"', 'hub-org = "toy-org"\nhub_org = "x"'),
+            "collection.hub_org",
+        ),
         (lambda t: t.replace('license = "apache-2.0"\n', ""), "collection.license"),
-        (lambda t: t.replace('version = 1', 'version = "1"'), "kernels.toy_scale.version"),
-        (lambda t: t.replace('version = 1', 'version = 0'), "kernels.toy_scale.version"),
-        (lambda t: t.replace('hub-name = "toy-scale-tpu"', 'hub-name = "Toy_Scale"'), "kernels.toy_scale.hub-name"),
-        (lambda t: t.replace('source = "kernels/toy_scale"', 'source = "kernels/nope"'), "kernels.toy_scale.source"),
-        (lambda t: t.replace('backends = ["tpu", "cpu"]', 'backends = ["tpu", "cuda"]'), "kernels.toy_scale.backends"),
-        (lambda t: t.replace('exports = ["scale_add"]', 'exports = ["scale-add"]'), "kernels.toy_scale.exports"),
-        (lambda t: t + '\n[kernels.toy_scale.extra]\n', "kernels.toy_scale.extra"),
+        (lambda t: t.replace("version = 1", 'version = "1"'), "kernels.toy_scale.version"),
+        (lambda t: t.replace("version = 1", "version = 0"), "kernels.toy_scale.version"),
+        (
+            lambda t: t.replace('hub-name = "toy-scale-tpu"', 'hub-name = "Toy_Scale"'),
+            "kernels.toy_scale.hub-name",
+        ),
+        (
+            lambda t: t.replace('source = "kernels/toy_scale"', 'source = "kernels/nope"'),
+            "kernels.toy_scale.source",
+        ),
+        (
+            lambda t: t.replace('backends = ["tpu", "cpu"]', 'backends = ["tpu", "cuda"]'),
+            "kernels.toy_scale.backends",
+        ),
+        (
+            lambda t: t.replace('exports = ["scale_add"]', 'exports = ["scale-add"]'),
+            "kernels.toy_scale.exports",
+        ),
+        (lambda t: t + "\n[kernels.toy_scale.extra]\n", "kernels.toy_scale.extra"),
         (lambda t: t.replace("[collection]", "[collection]\nmystery = 1"), "collection.mystery"),
     ],
 )
@@ -96,14 +114,27 @@ def test_build_is_byte_identical(tmp_path):
 
 
 def test_repo_layout(toy_repo):
-    for rel in ["README.md", "build.toml", "flake.nix", "torch-ext/toy_scale_tpu/ops.py",
-                "build/torch-tpu/__init__.py", "build/torch-tpu/_ops.py", "build/torch-tpu/jax_bridge.py",
-                "build/torch-tpu/tpu_generations.py", "build/torch-tpu/metadata.json",
-                "build/torch-cpu/metadata.json"]:
+    for rel in [
+        "README.md",
+        "build.toml",
+        "flake.nix",
+        "torch-ext/toy_scale_tpu/ops.py",
+        "build/torch-tpu/__init__.py",
+        "build/torch-tpu/_ops.py",
+        "build/torch-tpu/jax_bridge.py",
+        "build/torch-tpu/tpu_generations.py",
+        "build/torch-tpu/metadata.json",
+        "build/torch-cpu/metadata.json",
+    ]:
         assert (toy_repo / rel).is_file(), rel
     card = (toy_repo / "README.md").read_text()
-    for needle in ["get_kernel(\"toy-org/toy-scale-tpu\", version=1", "jax", "torch-tpu", "libtpu",
-                   "Version 1"]:
+    for needle in [
+        'get_kernel("toy-org/toy-scale-tpu", version=1',
+        "jax",
+        "torch-tpu",
+        "libtpu",
+        "Version 1",
+    ]:
         assert needle in card
 
 
@@ -151,8 +182,11 @@ def test_flake_files_parse(toy_repo):
 def test_get_local_kernel_accepts_every_level(toy_repo, where):
     from kernels import get_local_kernel
 
-    path = {"repo": toy_repo, "build": toy_repo / "build",
-            "variant": toy_repo / "build" / "torch-cpu"}[where]
+    path = {
+        "repo": toy_repo,
+        "build": toy_repo / "build",
+        "variant": toy_repo / "build" / "torch-cpu",
+    }[where]
     mod = get_local_kernel(path)
     x = torch.ones(8, 128)
     torch.testing.assert_close(mod.scale_add(x, x, 2.0), 3 * x)
@@ -162,7 +196,9 @@ def test_tpu_variant_is_chosen_when_torch_backends_tpu_exists(toy_repo, monkeypa
     from kernels import get_local_kernel
 
     assert "torch-cpu" in get_local_kernel(toy_repo).__file__
-    monkeypatch.setattr(torch.backends, "tpu", types.ModuleType("torch.backends.tpu"), raising=False)
+    monkeypatch.setattr(
+        torch.backends, "tpu", types.ModuleType("torch.backends.tpu"), raising=False
+    )
     mod = get_local_kernel(toy_repo)
     assert "torch-tpu" in mod.__file__
     assert mod._ops._OPS_NAME.startswith("_toy_scale_tpu_tpu_")
@@ -192,27 +228,40 @@ def _offline_script(cache: Path, body: str) -> subprocess.CompletedProcess:
 def test_offline_get_kernel_from_the_built_cache(toy_repo):
     cache = toy_repo.parent / "hub-cache"
     sha = (cache / "kernels--toy-org--toy-scale-tpu" / "refs" / "v1").read_text()
-    assert (cache / "kernels--toy-org--toy-scale-tpu" / "snapshots" / sha / "build" / "torch-cpu"
-            / "metadata.json").is_file()
-    run = _offline_script(cache, (
-        "k = get_kernel('toy-org/toy-scale-tpu', version=1, trust_remote_code=True)\n"
-        "x = torch.ones(8, 128)\n"
-        "print(float(k.scale_add(x, x, 2.0).sum()), k.__file__)\n"
-    ))
+    assert (
+        cache
+        / "kernels--toy-org--toy-scale-tpu"
+        / "snapshots"
+        / sha
+        / "build"
+        / "torch-cpu"
+        / "metadata.json"
+    ).is_file()
+    run = _offline_script(
+        cache,
+        (
+            "k = get_kernel('toy-org/toy-scale-tpu', version=1, trust_remote_code=True)\n"
+            "x = torch.ones(8, 128)\n"
+            "print(float(k.scale_add(x, x, 2.0).sum()), k.__file__)\n"
+        ),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     total, path = run.stdout.split()
     assert float(total) == 3 * 8 * 128 and sha in path
 
 
 def test_offline_get_kernel_unknown_version_gives_the_library_error(toy_repo):
-    run = _offline_script(toy_repo.parent / "hub-cache", (
-        "try:\n"
-        "    get_kernel('toy-org/toy-scale-tpu', version=2, trust_remote_code=True)\n"
-        "except Exception as e:\n"
-        "    print(type(e).__name__, e)\n"
-        "else:\n"
-        "    print('LOADED')\n"
-    ))
+    run = _offline_script(
+        toy_repo.parent / "hub-cache",
+        (
+            "try:\n"
+            "    get_kernel('toy-org/toy-scale-tpu', version=2, trust_remote_code=True)\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "else:\n"
+            "    print('LOADED')\n"
+        ),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ValueError Version 2 not found, available versions: 1" in run.stdout, run.stdout
 
@@ -223,8 +272,9 @@ def test_two_builds_from_different_sources_load_side_by_side(tmp_path):
     config_a = toy_kernel.copy_toy_collection(tmp_path / "a")
     config_b = toy_kernel.copy_toy_collection(tmp_path / "b")
     kernel_b = config_b.parent / "kernels" / "toy_scale" / "kernel.py"
-    kernel_b.write_text(kernel_b.read_text().replace(
-        "o_ref[...] = (scale *", "o_ref[...] = (2 * scale *"))  # version B doubles the scale
+    kernel_b.write_text(
+        kernel_b.read_text().replace("o_ref[...] = (scale *", "o_ref[...] = (2 * scale *")
+    )  # version B doubles the scale
     repo_a = toy_kernel.build_toy(tmp_path / "dist-a", config_a)
     repo_b = toy_kernel.build_toy(tmp_path / "dist-b", config_b)
     mod_a = get_local_kernel(repo_a / "build" / "torch-cpu")
@@ -254,8 +304,11 @@ def test_publish_dry_run_plan(toy_repo, capsys):
     config = toy_kernel.TOY_CONFIG
     ops = publish.plan(toy_repo.parent, config=config)
     assert [(o.verb, o.revision) for o in ops] == [
-        ("create_repo", None), ("upload_file", "main"), ("create_branch", "v1"),
-        ("upload_folder", "v1")]
+        ("create_repo", None),
+        ("upload_file", "main"),
+        ("create_branch", "v1"),
+        ("upload_folder", "v1"),
+    ]
     assert ops[1].path_in_repo == "README.md"
     assert ops[3].path_in_repo == "build" and ops[3].delete_patterns == ("*",)
     assert all(o.repo_id == "toy-org/toy-scale-tpu" for o in ops)
@@ -280,8 +333,13 @@ def test_publish_refuses_an_unbuilt_dist(tmp_path):
 
 
 def _results_row(kernel, shape, impl, per_generation):
-    return {"kernel": kernel, "shape": shape, "impl": impl, "label": f"label of {impl}",
-            "per_generation": per_generation}
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "impl": impl,
+        "label": f"label of {impl}",
+        "per_generation": per_generation,
+    }
 
 
 def test_cards_show_our_times_beside_the_anchors_from_results_json():
@@ -294,8 +352,7 @@ def test_cards_show_our_times_beside_the_anchors_from_results_json():
         assert rows, entry.key
         section = card.split("## Performance\n", 1)[1].split("\n## ", 1)[0]
         assert "make bench" in section and "python benchmarks/run.py" in section
-        assert ("Scheduled, not measured on a TPU" in section
-                or "Not measured on a TPU" in section)
+        assert "Scheduled, not measured on a TPU" in section or "Not measured on a TPU" in section
         table = [line for line in section.splitlines() if line.startswith("| ")]
         assert table[0] == "| shape | implementation | v5e | v6e | tpu7x |"
         assert len(table) == 1 + len(rows)  # header + one line per implementation and shape
@@ -309,13 +366,17 @@ def test_cards_show_our_times_beside_the_anchors_from_results_json():
 def test_performance_cell_prefers_measured_then_scheduled_then_the_model():
     base = {"modelled_us": 664.3, "compile": {"compiles": True}}
     assert build.perf_cell(base) == ("≥ 664", "model")
-    sched = dict(base, scheduled={"scheduled_us": 1502.4, "hot_mxu_occupancy": 0.31,
-                                  "bound": "VALU"})
+    sched = dict(
+        base, scheduled={"scheduled_us": 1502.4, "hot_mxu_occupancy": 0.31, "bound": "VALU"}
+    )
     assert build.perf_cell(sched) == ("1,502 (MXU 31%, bound: VALU)", "scheduled")
     as_percent = dict(base, scheduled={"scheduled_us": 80.0, "hot_mxu_occupancy": 31.0})
     assert build.perf_cell(as_percent) == ("80.0 (MXU 31%)", "scheduled")
     assert build.perf_cell(dict(sched, measured_us=1490.0)) == ("1,490 measured", "measured")
-    assert build.perf_cell({"modelled_us": 5.0, "compile": {"compiles": False}})[0] == "does not compile"
+    assert (
+        build.perf_cell({"modelled_us": 5.0, "compile": {"compiles": False}})[0]
+        == "does not compile"
+    )
     # a schedule without a time (compile dump failed, hot-loop work not modelled): the model stands
     for broken in ({"error": "no dump"}, {"scheduled_us": None, "bound": "MXU"}):
         assert build.perf_cell(dict(base, scheduled=broken)) == ("≥ 664", "model")
@@ -324,14 +385,22 @@ def test_performance_cell_prefers_measured_then_scheduled_then_the_model():
 
 def test_performance_section_wording_follows_what_the_numbers_are():
     model = {"modelled_us": 100.0}
-    sched = {"modelled_us": 100.0, "scheduled": {"scheduled_us": 250.0, "hot_mxu_occupancy": 0.5,
-                                                 "bound": "MXU"}}
+    sched = {
+        "modelled_us": 100.0,
+        "scheduled": {"scheduled_us": 250.0, "hot_mxu_occupancy": 0.5, "bound": "MXU"},
+    }
     only_model = {"named": {"rows": [_results_row("k", "s", "ours", {"v6e": model})]}}
     text = build.performance_section("k", only_model)
     assert "Not measured on a TPU" in text and "roofline model" in text
     assert "Scheduled, not measured" not in text and "| v6e |" in text and "| v5e |" not in text
-    mixed = {"named": {"rows": [_results_row("k", "s", "anchor:a", {"v6e": model}),
-                                _results_row("k", "s", "ours", {"v6e": sched})]}}
+    mixed = {
+        "named": {
+            "rows": [
+                _results_row("k", "s", "anchor:a", {"v6e": model}),
+                _results_row("k", "s", "ours", {"v6e": sched}),
+            ]
+        }
+    }
     text = build.performance_section("k", mixed)
     assert "**Scheduled, not measured on a TPU**" in text and "≥ 100" in text
     ours_line = text.index("| `s` | label of ours | **250 (MXU 50%, bound: MXU)** |")
@@ -341,10 +410,29 @@ def test_performance_section_wording_follows_what_the_numbers_are():
 
 
 def test_cards_with_results_are_byte_identical(tmp_path):
-    results = {"meta": {"jax": "0"}, "named": {"rows": [
-        _results_row("toy_scale", "tiny", "anchor:xla", {"v5e": {"modelled_us": 3.25}}),
-        _results_row("toy_scale", "tiny", "ours", {"v5e": {"modelled_us": 1.5, "scheduled": {
-            "scheduled_us": 2.0, "hot_mxu_occupancy": 0.9, "bound": "DMA"}}})]}}
+    results = {
+        "meta": {"jax": "0"},
+        "named": {
+            "rows": [
+                _results_row("toy_scale", "tiny", "anchor:xla", {"v5e": {"modelled_us": 3.25}}),
+                _results_row(
+                    "toy_scale",
+                    "tiny",
+                    "ours",
+                    {
+                        "v5e": {
+                            "modelled_us": 1.5,
+                            "scheduled": {
+                                "scheduled_us": 2.0,
+                                "hot_mxu_occupancy": 0.9,
+                                "bound": "DMA",
+                            },
+                        }
+                    },
+                ),
+            ]
+        },
+    }
     repos = []
     for name in ("a", "b"):
         config = toy_kernel.copy_toy_collection(tmp_path / f"coll-{name}")
@@ -362,7 +450,9 @@ def test_tested_with_entries_name_what_their_tests_run():
         collection.load_collection().kernel(key)
         for path, needle, _ in entries:
             assert needle in (ROOT / path).read_text(), f"{path} no longer holds {needle!r}"
-        card = build.kernel_card(collection.load_collection(), collection.load_collection().kernel(key))
+        card = build.kernel_card(
+            collection.load_collection(), collection.load_collection().kernel(key)
+        )
         assert "## Tested with" in card
 
 
@@ -371,8 +461,11 @@ def test_pinned_flash_models_match_the_installed_transformers():
     import transformers
 
     models = Path(transformers.__file__).parent / "models"
-    pinning = {p.parent.name for p in models.glob("*/modeling_*.py")
-               if "_compatible_flash_implementations = " in p.read_text()}
+    pinning = {
+        p.parent.name
+        for p in models.glob("*/modeling_*.py")
+        if "_compatible_flash_implementations = " in p.read_text()
+    }
     assert pinning == set(build.PINNED_FLASH_MODELS)
 
 
@@ -391,3 +484,14 @@ def test_flash_card_gives_the_registered_name_path_for_pinned_models():
     for entry in coll.kernels:
         if entry.key != "flash_attention":
             assert "_compatible_flash_implementations" not in build.kernel_card(coll, entry)
+
+
+def test_license_file_matches_build_toml_and_ships_in_every_repo(tmp_path):
+    """LICENSE at the root is the text of the license build.toml declares, and each built Hub repo
+    carries it."""
+    coll = collection.load_collection()
+    text = (ROOT / "LICENSE").read_text()
+    assert coll.license == "apache-2.0"
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    repo = build.build_repo(coll, coll.kernels[0], tmp_path)
+    assert (repo / "LICENSE").read_text() == text

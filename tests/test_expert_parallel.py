@@ -78,17 +78,20 @@ def case_forward(collectives):
     x, ids, weights, w_gate_up, w_down, _ = _problem()
     ref = EP.moe_reference(x, ids, weights, w_gate_up, w_down)
     unsharded = jax.jit(lambda *a: EP.moe_layer(*a, interpret=True))(
-        x, ids, weights, w_gate_up, w_down)
-    sharded = jax.jit(lambda *a: EP.expert_parallel_moe(
-        *a, mesh=mesh, collectives=collectives, interpret=True))(x, ids, weights, w_gate_up, w_down)
+        x, ids, weights, w_gate_up, w_down
+    )
+    sharded = jax.jit(
+        lambda *a: EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives, interpret=True)
+    )(x, ids, weights, w_gate_up, w_down)
     assert sharded.shape == (T, H) and np.isfinite(np.asarray(sharded)).all()
     _close(unsharded, ref)
     _close(sharded, unsharded)
     # The experts held elsewhere are not run here: poisoning device 7's (unused) experts and
     # expert 3 changes nothing, as no row may reach them.
     poison = w_gate_up.at[jnp.array(UNUSED)].set(jnp.nan)
-    again = jax.jit(lambda *a: EP.expert_parallel_moe(
-        *a, mesh=mesh, collectives=collectives, interpret=True))(x, ids, weights, poison, w_down)
+    again = jax.jit(
+        lambda *a: EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives, interpret=True)
+    )(x, ids, weights, poison, w_down)
     _close(again, sharded, tol=0)
 
 
@@ -99,8 +102,9 @@ def case_grad(collectives):
     def loss(layer):
         return lambda x, wts, wgu, wd: jnp.sum(layer(x, ids, wts, wgu, wd) * cot)
 
-    sharded = loss(lambda *a: EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives,
-                                                     interpret=True))
+    sharded = loss(
+        lambda *a: EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives, interpret=True)
+    )
     got = jax.jit(jax.grad(sharded, argnums=(0, 1, 2, 3)))(x, weights, w_gate_up, w_down)
     want = jax.grad(loss(EP.moe_reference), argnums=(0, 1, 2, 3))(x, weights, w_gate_up, w_down)
     for name, g, w in zip(("x", "top_k_weights", "w_gate_up", "w_down"), got, want):
@@ -133,9 +137,9 @@ def case_bad_input():
         run(x, weights, weights, w_gate_up, w_down)
     # A 2-D mesh: the experts split over `ep`, everything replicated over the other axis.
     mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "ep"))
-    out = jax.jit(lambda *a: EP.expert_parallel_moe(*a, mesh=mesh2, collectives="all_gather",
-                                                    interpret=True))(x, ids, weights, w_gate_up,
-                                                                     w_down)
+    out = jax.jit(
+        lambda *a: EP.expert_parallel_moe(*a, mesh=mesh2, collectives="all_gather", interpret=True)
+    )(x, ids, weights, w_gate_up, w_down)
     _close(out, EP.moe_reference(x, ids, weights, w_gate_up, w_down))
     assert EP.default_collectives("cpu") == "all_gather"
     assert EP.default_collectives("tpu") == "ragged_all_to_all"
@@ -179,7 +183,8 @@ def test_bad_input_and_2d_mesh():
 # Qwen3-30B-A3B: 128 experts, hidden 2048, moe_intermediate 768, top-8; a 512-token chunk.
 QWEN3_30B = dict(tokens=512, hidden=2048, inter=768, experts=128, top_k=8)
 _COLLECTIVE = re.compile(
-    r"=\s*(\S+)\s+(all-gather|all-to-all|ragged-all-to-all|reduce-scatter|all-reduce)(?:-start)?\(")
+    r"=\s*(\S+)\s+(all-gather|all-to-all|ragged-all-to-all|reduce-scatter|all-reduce)(?:-start)?\("
+)
 
 
 def collective_buffers(hlo_text: str) -> dict:
@@ -198,9 +203,11 @@ def collective_buffers(hlo_text: str) -> dict:
 
 
 def compile_sharded(generation: str, collectives: str, shapes=QWEN3_30B, grad: bool = False):
-    import tpu_compile
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import tpu_compile
 
     tpu_compile.tpu_device(generation)  # puts libtpu on the path
     topo = topologies.get_topology_desc(tpu_compile.GENERATIONS[generation].topology, "tpu")
@@ -211,17 +218,24 @@ def compile_sharded(generation: str, collectives: str, shapes=QWEN3_30B, grad: b
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("ep")))
 
     bf16 = jnp.bfloat16
-    args = (aval((t, h), bf16), aval((t, k), jnp.int32), aval((t, k), jnp.float32),
-            aval((e, h, 2 * i), bf16), aval((e, i, h), bf16))
+    args = (
+        aval((t, h), bf16),
+        aval((t, k), jnp.int32),
+        aval((t, k), jnp.float32),
+        aval((e, h, 2 * i), bf16),
+        aval((e, i, h), bf16),
+    )
+
     def layer(*a):
-        return EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives,
-                                      generation=generation)
+        return EP.expert_parallel_moe(*a, mesh=mesh, collectives=collectives, generation=generation)
 
     if grad:  # d x, d w_gate_up, d w_down of a scalar loss: the training step's MoE part
+
         def loss(x, ids, weights, w_gate_up, w_down):
             # Squared: the cotangent depends on the output, so the forward combine stays live.
-            return jnp.sum(jnp.square(layer(x, ids, weights, w_gate_up, w_down).astype(
-                jnp.float32)))
+            return jnp.sum(
+                jnp.square(layer(x, ids, weights, w_gate_up, w_down).astype(jnp.float32))
+            )
 
         fn = jax.jit(jax.grad(loss, argnums=(0, 3, 4)))
     else:
@@ -230,8 +244,10 @@ def compile_sharded(generation: str, collectives: str, shapes=QWEN3_30B, grad: b
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("generation,collectives", [
-    ("v6e", "ragged_all_to_all"), ("tpu7x", "ragged_all_to_all"), ("tpu7x", "all_gather")])
+@pytest.mark.parametrize(
+    "generation,collectives",
+    [("v6e", "ragged_all_to_all"), ("tpu7x", "ragged_all_to_all"), ("tpu7x", "all_gather")],
+)
 def test_compiles_sharded_layer(generation, collectives):
     """The whole sharded layer (dispatch, both gmm kernels on the local experts, combine) compiles
     for a v6e 2x2 / TPU7x 2x2x1 slice with Mosaic and XLA:TPU; the collectives are the intended

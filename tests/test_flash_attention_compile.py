@@ -1,5 +1,7 @@
 """flash-attention-tpu: deviceless Mosaic compiles for v5e, v6e and TPU7x at production shapes
-(Llama-3-8B, Gemma-2-style and MQA), forward and backward, with the tiles choose_tiles picks."""
+(Llama-3-8B, Gemma-2-style and MQA), forward and backward, with the tiles choose_tiles picks.
+In CI every kernel compiles on every generation at some production shape and every shape on some
+generation (tpu_compile.generation_per_case); HYPOTHESIS_PROFILE=sweep compiles the whole matrix."""
 
 import os
 
@@ -23,8 +25,9 @@ SHAPES = {
     # 32 query heads, 8 KV heads, head dim 128, 8192 tokens, causal, batch 1
     "llama3_8b": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(-1, -1), softcap=0.0),
     # the same with a 1024-token sliding window (the benchmarks' window target)
-    "llama3_8b_window1024": dict(Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(1023, 0),
-                                 softcap=0.0),
+    "llama3_8b_window1024": dict(
+        Hq=32, Hkv=8, S=8192, D=128, causal=True, window=(1023, 0), softcap=0.0
+    ),
     # MQA: 32 query heads on one KV head (stacked into one q block of 32 x block_q rows)
     "mqa_32x1": dict(Hq=32, Hkv=1, S=4096, D=128, causal=True, window=(-1, -1), softcap=0.0),
     # head dim 256, soft cap 50, sliding window 4096 (as Transformers passes it: (4095, 4095))
@@ -35,51 +38,108 @@ SHAPES = {
 def _compile(gen, shape, direction):
     s = SHAPES[shape]
     Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
-    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                           dtype=jnp.bfloat16, causal=s["causal"], window_size=s["window"],
-                           generation=gen)
+    tiles = T.choose_tiles(
+        q_len=S,
+        kv_len=S,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        dtype=jnp.bfloat16,
+        causal=s["causal"],
+        window_size=s["window"],
+        generation=gen,
+    )
     cfg = dict(causal=s["causal"], window_size=s["window"], softcap=s["softcap"], tiles=tiles)
     q = ((1, Hq, S, D), jnp.bfloat16)
     kv = ((1, Hkv, S, D), jnp.bfloat16)
     if direction == "fwd":
         compiled = tpu_compile.compile_for(
-            gen, lambda q, k, v: K.flash_attention_fwd(q, k, v, **cfg), q, kv, kv)
+            gen, lambda q, k, v: K.flash_attention_fwd(q, k, v, **cfg), q, kv, kv
+        )
     else:
         lse = ((1, Hq, S), jnp.float32)
         compiled = tpu_compile.compile_for(
-            gen, lambda q, k, v, o, lse, do: K.flash_attention_bwd(q, k, v, o, lse, do, **cfg)[:3],
-            q, kv, kv, q, lse, q)
+            gen,
+            lambda q, k, v, o, lse, do: K.flash_attention_bwd(q, k, v, o, lse, do, **cfg)[:3],
+            q,
+            kv,
+            kv,
+            q,
+            lse,
+            q,
+        )
     return compiled, tiles
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
-def test_compiles_at_production_shapes(gen, shape, direction):
+def _check_compiles(gen, shape, direction):
     compiled, tiles = _compile(gen, shape, direction)
     assert compiled is not None
     limit = tiles.vmem_limit_bytes if direction == "fwd" else tiles.vmem_limit_bytes_bwd
     assert limit <= T.GENERATIONS[gen].vmem_bytes * 3 // 4
 
 
+# The forward at Llama-3-8B on every generation, the other shapes on one generation each in CI
+# (tpu_compile.generation_per_case; every generation for every shape in the long form).
+@pytest.mark.parametrize(
+    "gen,shape",
+    [(g, "llama3_8b") for g in tpu_compile.TESTED_GENERATIONS]
+    + tpu_compile.generation_per_case(sorted(set(SHAPES) - {"llama3_8b"})),
+)
+def test_compiles_forward_at_production_shapes(gen, shape):
+    _check_compiles(gen, shape, "fwd")
+
+
+# The backward kernel at every shape, each on one generation in CI (every generation gets one:
+# tpu_compile.generation_per_case); every generation for every shape in the long form.
+@pytest.mark.parametrize("gen,shape", tpu_compile.generation_per_case(sorted(SHAPES)))
+def test_compiles_backward_at_production_shapes(gen, shape):
+    _check_compiles(gen, shape, "bwd")
+
+
 @pytest.mark.parametrize("gen", ["v6e"])
 def test_compiles_varlen_sinks_odd_head_dim(gen):
     """Packed varlen with sinks at head dim 80 (not a lane multiple), bf16, both directions."""
     Hq, Hkv, T_, D = 8, 2, 2000, 80
-    tiles = T.choose_tiles(q_len=T_, kv_len=T_, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                           dtype=jnp.bfloat16, causal=True, generation=gen)
+    tiles = T.choose_tiles(
+        q_len=T_,
+        kv_len=T_,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation=gen,
+    )
     cfg = dict(causal=True, window_size=(255, -1), tiles=tiles)
     q = ((T_, Hq, D), jnp.bfloat16)
     kv = ((T_, Hkv, D), jnp.bfloat16)
     cu = ((9,), jnp.int32)
     sinks = ((Hq,), jnp.float32)
     tpu_compile.compile_for(
-        gen, lambda q, k, v, s, cu: K.flash_attention_fwd(
-            q, k, v, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg), q, kv, kv, sinks, cu)
+        gen,
+        lambda q, k, v, s, cu: K.flash_attention_fwd(
+            q, k, v, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg
+        ),
+        q,
+        kv,
+        kv,
+        sinks,
+        cu,
+    )
     tpu_compile.compile_for(
-        gen, lambda q, k, v, o, lse, do, s, cu: K.flash_attention_bwd(
-            q, k, v, o, lse, do, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg)[:4],
-        q, kv, kv, q, ((1, Hq, T_), jnp.float32), q, sinks, cu)
+        gen,
+        lambda q, k, v, o, lse, do, s, cu: K.flash_attention_bwd(
+            q, k, v, o, lse, do, sinks=s, cu_seqlens_q=cu, cu_seqlens_k=cu, **cfg
+        )[:4],
+        q,
+        kv,
+        kv,
+        q,
+        ((1, Hq, T_), jnp.float32),
+        q,
+        sinks,
+        cu,
+    )
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
@@ -87,19 +147,45 @@ def test_compiles_segment_ids_at_llama_shape(gen):
     """Dense segment ids (packed documents in one row) at Llama-3-8B 8192 causal, both directions."""
     s = SHAPES["llama3_8b"]
     Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
-    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                           dtype=jnp.bfloat16, causal=True, generation=gen, segments=True)
+    tiles = T.choose_tiles(
+        q_len=S,
+        kv_len=S,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation=gen,
+        segments=True,
+    )
     q = ((1, Hq, S, D), jnp.bfloat16)
     kv = ((1, Hkv, S, D), jnp.bfloat16)
     seg = ((1, S), jnp.int32)
     tpu_compile.compile_for(
-        gen, lambda q, k, v, sq, sk: K.flash_attention_fwd(
-            q, k, v, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles),
-        q, kv, kv, seg, seg)
+        gen,
+        lambda q, k, v, sq, sk: K.flash_attention_fwd(
+            q, k, v, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles
+        ),
+        q,
+        kv,
+        kv,
+        seg,
+        seg,
+    )
     tpu_compile.compile_for(
-        gen, lambda q, k, v, o, lse, do, sq, sk: K.flash_attention_bwd(
-            q, k, v, o, lse, do, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles)[:3],
-        q, kv, kv, q, ((1, Hq, S), jnp.float32), q, seg, seg)
+        gen,
+        lambda q, k, v, o, lse, do, sq, sk: K.flash_attention_bwd(
+            q, k, v, o, lse, do, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles
+        )[:3],
+        q,
+        kv,
+        kv,
+        q,
+        ((1, Hq, S), jnp.float32),
+        q,
+        seg,
+        seg,
+    )
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
@@ -108,12 +194,28 @@ def test_compiles_fused_backward(gen):
     choose_tiles takes the fused backward (one kernel, dq resident in VMEM); it must compile."""
     s = dict(SHAPES["llama3_8b"], S=2048)
     Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
-    tiles = T.choose_tiles(q_len=S, kv_len=S, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                           dtype=jnp.bfloat16, causal=True, generation=gen)
+    tiles = T.choose_tiles(
+        q_len=S,
+        kv_len=S,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation=gen,
+    )
     assert tiles.fused_bwd
     q = ((1, Hq, S, D), jnp.bfloat16)
     kv = ((1, Hkv, S, D), jnp.bfloat16)
     tpu_compile.compile_for(
-        gen, lambda q, k, v, o, lse, do: K.flash_attention_bwd(
-            q, k, v, o, lse, do, causal=True, tiles=tiles)[:3],
-        q, kv, kv, q, ((1, Hq, S), jnp.float32), q)
+        gen,
+        lambda q, k, v, o, lse, do: K.flash_attention_bwd(
+            q, k, v, o, lse, do, causal=True, tiles=tiles
+        )[:3],
+        q,
+        kv,
+        kv,
+        q,
+        ((1, Hq, S), jnp.float32),
+        q,
+    )

@@ -6,14 +6,17 @@ and float masks), forward and gradients; the errors for what it cannot run; and,
 random-weight Flux-style and SD3-style transformers built from configs: outputs, a masked prompt,
 a 3-step flow-matching denoising loop, and LoRA-adapter gradients against the native backend."""
 
+import diffusers  # noqa: F401  (pinned in requirements.txt)
 import pytest
 import torch
+from diffusers.models.attention_dispatch import (
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    attention_backend,
+    dispatch_attention_fn,
+)
 
 import kernel_loader
-
-import diffusers  # noqa: F401  (pinned in requirements.txt)
-from diffusers.models.attention_dispatch import (AttentionBackendName, _AttentionBackendRegistry,
-                                                 attention_backend, dispatch_attention_fn)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,11 +63,13 @@ def kernel_calls(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(fa.ops, "flash_attn_func", counted("dense", fa.ops.flash_attn_func))
-    monkeypatch.setattr(fa.ops, "flash_attn_varlen_func",
-                        counted("varlen", fa.ops.flash_attn_varlen_func))
+    monkeypatch.setattr(
+        fa.ops, "flash_attn_varlen_func", counted("varlen", fa.ops.flash_attn_varlen_func)
+    )
     return calls
 
 
@@ -93,12 +98,15 @@ def test_register_names_one_backend_for_both_libraries():
         fa.register("Pallas_TPU")
 
 
-@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dtype", [
-    (2, 40, 40, 2, 2, 64, torch.float32),     # self-attention, d=64
-    (1, 24, 56, 2, 2, 128, torch.float32),    # cross-attention, d=128
-    (2, 33, 33, 4, 2, 64, torch.float32),     # GQA, ragged length
-    (1, 40, 40, 2, 2, 128, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,dtype",
+    [
+        (2, 40, 40, 2, 2, 64, torch.float32),  # self-attention, d=64
+        (1, 24, 56, 2, 2, 128, torch.float32),  # cross-attention, d=128
+        (2, 33, 33, 4, 2, 64, torch.float32),  # GQA, ragged length
+        (1, 40, 40, 2, 2, 128, torch.bfloat16),
+    ],
+)
 def test_dispatch_matches_native(b, sq, sk, hq, hkv, d, dtype, kernel_calls):
     q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype)
     kw = dict(enable_gqa=hq != hkv)
@@ -126,8 +134,9 @@ def _block_mask(s, cut):
     return seg[:, None] == seg[None, :]
 
 
-@pytest.mark.parametrize("kind", ["bool_2d", "float_4d_inf", "empty_row", "outer_4d", "block_2d",
-                                  "all_true"])
+@pytest.mark.parametrize(
+    "kind", ["bool_2d", "float_4d_inf", "empty_row", "outer_4d", "block_2d", "all_true"]
+)
 def test_dispatch_masks_match_native(kind, kernel_calls):
     b, s, h, d = 2, 24, 2, 64
     q, k, v = _qkv(b, s, s, h, h, d, seed=1)
@@ -147,8 +156,9 @@ def test_dispatch_masks_match_native(kind, kernel_calls):
         mask = torch.ones(b, 1, s, s, dtype=torch.bool)
     _check_against_native(q, k, v, 1e-4, attn_mask=mask)
     # all-true runs dense; every other mask packs the real tokens and runs varlen
-    assert kernel_calls == ({"dense": 1, "varlen": 0} if kind == "all_true" else
-                            {"dense": 0, "varlen": 1})
+    assert kernel_calls == (
+        {"dense": 1, "varlen": 0} if kind == "all_true" else {"dense": 0, "varlen": 1}
+    )
     if kind != "all_true":  # the mask matters
         plain = dispatch_attention_fn(q, k, v, backend=AttentionBackendName.NATIVE)
         masked = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=AttentionBackendName.NATIVE)
@@ -171,17 +181,38 @@ def test_dispatch_mask_gqa_bf16():
     _check_against_native(q, k, v, 2e-2, attn_mask=mask, enable_gqa=True)
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout"),
-    (dict(attn_mask=torch.randn(1, 1, 24, 24)), ValueError, "arbitrary additive attention bias"),
-    (dict(attn_mask=torch.ones(24, 24, dtype=torch.bool).tril()), ValueError, "distinct query rows"),
-    (dict(attn_mask=torch.arange(24).expand(1, 2, 1, 24) < torch.tensor([24, 20])[:, None, None]),
-     ValueError, "differs between heads"),
-    (dict(attn_mask=torch.ones(1, 24, dtype=torch.long)), TypeError, "dtype"),
-    (dict(attn_mask=torch.ones(1, 23, dtype=torch.bool)), ValueError, "does not broadcast"),
-    (dict(attn_mask=torch.ones(1, 24, dtype=torch.bool), is_causal=True), ValueError, "one of them"),
-    (dict(attention_kwargs=dict(return_lse=True)), NotImplementedError, "return_lse"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+        (
+            dict(attn_mask=torch.randn(1, 1, 24, 24)),
+            ValueError,
+            "arbitrary additive attention bias",
+        ),
+        (
+            dict(attn_mask=torch.ones(24, 24, dtype=torch.bool).tril()),
+            ValueError,
+            "distinct query rows",
+        ),
+        (
+            dict(
+                attn_mask=torch.arange(24).expand(1, 2, 1, 24)
+                < torch.tensor([24, 20])[:, None, None]
+            ),
+            ValueError,
+            "differs between heads",
+        ),
+        (dict(attn_mask=torch.ones(1, 24, dtype=torch.long)), TypeError, "dtype"),
+        (dict(attn_mask=torch.ones(1, 23, dtype=torch.bool)), ValueError, "does not broadcast"),
+        (
+            dict(attn_mask=torch.ones(1, 24, dtype=torch.bool), is_causal=True),
+            ValueError,
+            "one of them",
+        ),
+        (dict(attention_kwargs=dict(return_lse=True)), NotImplementedError, "return_lse"),
+    ],
+)
 def test_dispatch_rejects(kw, exc, match, monkeypatch):
     calls = []
     monkeypatch.setattr(fa.ops, "flash_attn_func", lambda *a, **k: calls.append(a))
@@ -209,9 +240,16 @@ def _flux(dtype=torch.float32):
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=64,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(16, 24, 24))
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=64,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(16, 24, 24),
+    )
     return model.to(dtype).eval()
 
 
@@ -221,11 +259,14 @@ def _flux_inputs(dtype=torch.float32, batch=2, side=4, n_text=8):
     img_ids = torch.zeros(side * side, 3)
     img_ids[:, 1] = torch.arange(side * side) // side
     img_ids[:, 2] = torch.arange(side * side) % side
-    return dict(hidden_states=torch.randn(batch, side * side, 8, generator=g).to(dtype),
-                encoder_hidden_states=torch.randn(batch, n_text, 32, generator=g).to(dtype),
-                pooled_projections=torch.randn(batch, 32, generator=g).to(dtype),
-                timestep=torch.tensor([0.9, 0.4]).to(dtype)[:batch], img_ids=img_ids,
-                txt_ids=torch.zeros(n_text, 3))
+    return dict(
+        hidden_states=torch.randn(batch, side * side, 8, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, n_text, 32, generator=g).to(dtype),
+        pooled_projections=torch.randn(batch, 32, generator=g).to(dtype),
+        timestep=torch.tensor([0.9, 0.4]).to(dtype)[:batch],
+        img_ids=img_ids,
+        txt_ids=torch.zeros(n_text, 3),
+    )
 
 
 def _sd3(dtype=torch.float32):
@@ -234,19 +275,31 @@ def _sd3(dtype=torch.float32):
     torch.manual_seed(0)
     # SD3.5-style: QK RMS norm, layer 0 also runs the image-only second attention.
     model = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=128,
-        num_attention_heads=1, joint_attention_dim=32, caption_projection_dim=128,
-        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8, qk_norm="rms_norm",
-        dual_attention_layers=(0,))
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=1,
+        joint_attention_dim=32,
+        caption_projection_dim=128,
+        pooled_projection_dim=32,
+        out_channels=4,
+        pos_embed_max_size=8,
+        qk_norm="rms_norm",
+        dual_attention_layers=(0,),
+    )
     return model.to(dtype).eval()
 
 
 def _sd3_inputs(dtype=torch.float32, batch=2):
     g = torch.Generator().manual_seed(1)
-    return dict(hidden_states=torch.randn(batch, 4, 8, 8, generator=g).to(dtype),
-                encoder_hidden_states=torch.randn(batch, 6, 32, generator=g).to(dtype),
-                pooled_projections=torch.randn(batch, 32, generator=g).to(dtype),
-                timestep=torch.tensor([900.0, 300.0])[:batch])
+    return dict(
+        hidden_states=torch.randn(batch, 4, 8, 8, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, 6, 32, generator=g).to(dtype),
+        pooled_projections=torch.randn(batch, 32, generator=g).to(dtype),
+        timestep=torch.tensor([900.0, 300.0])[:batch],
+    )
 
 
 def _run(model, backend, inputs, **kw):
@@ -353,8 +406,9 @@ def test_lora_training_step_gradients_match_native(family, kernel_calls):
                 setattr(module, proj, _LoRALinear(getattr(module, proj)))
     adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert len(adapters) >= 8
-    target = torch.randn(_run(model, "native", inputs).shape,
-                         generator=torch.Generator().manual_seed(5))
+    target = torch.randn(
+        _run(model, "native", inputs).shape, generator=torch.Generator().manual_seed(5)
+    )
 
     def grads(backend):
         model.set_attention_backend(backend)
@@ -377,6 +431,7 @@ def test_dispatch_packed_mask_tpu_interpret(tpu_interpret):
     q, k, v = _qkv(2, 16, 16, 2, 1, 64, seed=3)
     mask = _outer_padding_mask([16, 7], 16)
     out = dispatch_attention_fn(q, k, v, attn_mask=mask, enable_gqa=True, backend=NAME)
-    ref = dispatch_attention_fn(q, k, v, attn_mask=mask, enable_gqa=True,
-                                backend=AttentionBackendName.NATIVE)
+    ref = dispatch_attention_fn(
+        q, k, v, attn_mask=mask, enable_gqa=True, backend=AttentionBackendName.NATIVE
+    )
     assert _rel(out, ref) < 1e-4

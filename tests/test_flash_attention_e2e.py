@@ -20,9 +20,16 @@ NAME = fa.register()
 
 
 def _config(kind):
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  attention_dropout=0.0)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+    )
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     return transformers.Qwen3Config(head_dim=32, **common)
@@ -30,8 +37,9 @@ def _config(kind):
 
 def _model(kind, attn="sdpa"):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=attn,
-                                                          dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config(kind), attn_implementation=attn, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -97,7 +105,8 @@ def test_hub_attn_implementation_from_pretrained(monkeypatch, tmp_path):
     ref = _model("qwen3")
     ref.save_pretrained(tmp_path)
     ours = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation=repo, allow_all_kernels=True, dtype=torch.float32).eval()
+        tmp_path, attn_implementation=repo, allow_all_kernels=True, dtype=torch.float32
+    ).eval()
     assert ours.config._attn_implementation == repo
     from transformers import modeling_flash_attention_utils as mfu
 
@@ -128,13 +137,23 @@ def test_hub_attn_implementation_from_pretrained(monkeypatch, tmp_path):
 
 def _gpt_oss(attn):
     cfg = transformers.GptOssConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
-        layer_types=["sliding_attention", "full_attention"])
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,
-                                                          dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn, dtype=torch.float32
+    ).eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # sinks of the size a trained model has (init gives ~0.02: no effect)
         for layer in model.model.layers:
@@ -147,10 +166,12 @@ def test_gpt_oss_pins_flash_kernels_but_not_the_registered_name():
 
     pinned = transformers.GptOssForCausalLM._compatible_flash_implementations
     assert pinned and kernel_loader.repo_id("flash_attention") not in pinned
-    assert is_flash_attention_requested(requested_attention_implementation=kernel_loader.repo_id(
-        "flash_attention"))  # so the repo id would be replaced by pinned[0]
+    assert is_flash_attention_requested(
+        requested_attention_implementation=kernel_loader.repo_id("flash_attention")
+    )  # so the repo id would be replaced by pinned[0]
     assert isinstance(NAME, str) and not is_flash_attention_requested(
-        requested_attention_implementation=NAME)
+        requested_attention_implementation=NAME
+    )
 
 
 def test_gpt_oss_registered_name_matches_eager(monkeypatch):
@@ -168,8 +189,10 @@ def test_gpt_oss_registered_name_matches_eager(monkeypatch):
         keep = mask.bool()
         assert _rel(got[keep], want[keep]) < 1e-4
         gen_kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(ids, attention_mask=mask, **gen_kw),
-                           ref.generate(ids, attention_mask=mask, **gen_kw))
+        assert torch.equal(
+            ours.generate(ids, attention_mask=mask, **gen_kw),
+            ref.generate(ids, attention_mask=mask, **gen_kw),
+        )
         # the sinks matter here: without them eager's logits move far beyond the tolerance
         for layer in ref.model.layers:
             layer.self_attn.sinks.zero_()

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernel_loader
+import tpu_interpreter
 
 fa = kernel_loader.load_kernel("flash_attention")
 K, R, T = fa.kernel, fa.reference, fa.tiling
@@ -20,11 +21,25 @@ K, R, T = fa.kernel, fa.reference, fa.tiling
 # Small tiles so that short sequences still span several q and kv blocks, each split into two
 # compute tiles per axis (plain interpret mode accepts any power-of-two tile; real TPUs get >= 128
 # from choose_tiles).
-SMALL = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=16, block_kv_bwd=32,
-                block_q_compute=16, block_kv_compute_bwd=16)
+SMALL = T.Tiles(
+    block_q=32,
+    block_kv=32,
+    block_kv_compute=16,
+    block_q_bwd=16,
+    block_kv_bwd=32,
+    block_q_compute=16,
+    block_kv_compute_bwd=16,
+)
 # Four compute tiles per block along each axis, and backward blocks of other shapes.
-WIDE = T.Tiles(block_q=64, block_kv=64, block_kv_compute=16, block_q_bwd=32, block_kv_bwd=16,
-               block_q_compute=16, block_q_compute_bwd=16)
+WIDE = T.Tiles(
+    block_q=64,
+    block_kv=64,
+    block_kv_compute=16,
+    block_q_bwd=32,
+    block_kv_bwd=16,
+    block_q_compute=16,
+    block_q_compute_bwd=16,
+)
 # The fused backward (dq resident in VMEM for the whole sequence).
 FUSED = dataclasses.replace(WIDE, block_kv_bwd=32, block_kv_compute_bwd=16, fused_bwd=True)
 # Fewer, heavier examples than the profile's default: each one compiles two kernels.
@@ -96,9 +111,13 @@ def _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=SMALL, grads=True, interpret
         # one key has d softmax = 0) f32 rounding of ds = p * (dp - di) leaves ~1e-6.
         scale = max(float(np.max(np.abs(np.asarray(w)))), 1e-1)
         atol = 1e-4 if dtype == jnp.float32 else 5e-2  # relative to the largest gradient
-        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale,
-                                   atol=atol,
-                                   rtol=0, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32) / scale,
+            np.asarray(w) / scale,
+            atol=atol,
+            rtol=0,
+            err_msg=name,
+        )
 
 
 @st.composite
@@ -117,8 +136,21 @@ def dense_configs(draw):
     batch = draw(st.sampled_from([1, 2]))
     segments = sq == sk and draw(st.booleans())
     tiles = draw(st.sampled_from([SMALL, WIDE, FUSED]))
-    return (batch, groups * hkv, hkv, sq, sk, d, dtype, causal, (left, right), softcap, sinks,
-            segments, tiles)
+    return (
+        batch,
+        groups * hkv,
+        hkv,
+        sq,
+        sk,
+        d,
+        dtype,
+        causal,
+        (left, right),
+        softcap,
+        sinks,
+        segments,
+        tiles,
+    )
 
 
 @pytest.mark.sweep
@@ -126,14 +158,18 @@ def dense_configs(draw):
 @given(dense_configs())
 def test_dense_forward_and_grads_sweep(config):
     B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, sinks, segments, tiles = config
-    _check_dense(*_dense_case(B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, sinks,
-                              segments), tiles=tiles)
+    _check_dense(
+        *_dense_case(B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, sinks, segments),
+        tiles=tiles,
+    )
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 def test_each_head_dim_forward(D):
-    _check_dense(*_dense_case(1, 2, 1, 33, 47, D, jnp.float32, True, (-1, -1), 0.0, False, False),
-                 grads=False)
+    _check_dense(
+        *_dense_case(1, 2, 1, 33, 47, D, jnp.float32, True, (-1, -1), 0.0, False, False),
+        grads=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,13 +193,15 @@ def test_segment_ids(causal):
 
 def test_differentiable_jax_api_with_segment_ids():
     """kernel.flash_attention (custom_vjp): values and jax.grad with sinks and packed documents."""
-    q, k, v, s, qseg, kseg, cfg = _dense_case(2, 4, 2, 48, 48, 64, jnp.float32, True, (-1, -1),
-                                              0.0, True, True, seed=5)
+    q, k, v, s, qseg, kseg, cfg = _dense_case(
+        2, 4, 2, 48, 48, 64, jnp.float32, True, (-1, -1), 0.0, True, True, seed=5
+    )
     w = _rand(50, q.shape)
 
     def loss(fn):
         return lambda q, k, v, s: jnp.sum(
-            fn(q, k, v, sinks=s, q_segment_ids=qseg, kv_segment_ids=kseg, **cfg) * w)
+            fn(q, k, v, sinks=s, q_segment_ids=qseg, kv_segment_ids=kseg, **cfg) * w
+        )
 
     ours = functools.partial(K.flash_attention, tiles=SMALL, interpret=True)
     got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, s)
@@ -173,12 +211,15 @@ def test_differentiable_jax_api_with_segment_ids():
         _close(g, r, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("case,error,match", [
-    ("only_q_ids", ValueError, "given together"),
-    ("wrong_shape", ValueError, r"q_segment_ids must have shape \[batch, seq\]"),
-    ("float_ids", TypeError, "kv_segment_ids must be an integer array"),
-    ("with_cu_seqlens", ValueError, "cannot be combined"),
-])
+@pytest.mark.parametrize(
+    "case,error,match",
+    [
+        ("only_q_ids", ValueError, "given together"),
+        ("wrong_shape", ValueError, r"q_segment_ids must have shape \[batch, seq\]"),
+        ("float_ids", TypeError, "kv_segment_ids must be an integer array"),
+        ("with_cu_seqlens", ValueError, "cannot be combined"),
+    ],
+)
 def test_segment_ids_bad_input(case, error, match):
     q = jnp.zeros((2, 4, 32, 64))
     k = jnp.zeros((2, 2, 32, 64))
@@ -204,8 +245,9 @@ def test_segment_ids_bad_input(case, error, match):
 # -------------------------------------------------------------------------------------------------
 
 
-def _check_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, cfg, sinks=False, tiles=SMALL, interpret=True,
-                  grads=True):
+def _check_varlen(
+    lens_q, lens_k, Hq, Hkv, D, dtype, cfg, sinks=False, tiles=SMALL, interpret=True, grads=True
+):
     cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
     q = _rand(0, (int(cq[-1]), Hq, D), dtype)
@@ -224,8 +266,12 @@ def _check_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, cfg, sinks=False, tiles=SMA
         return
     do = _rand(7, q.shape, dtype)
     want = jax.jit(lambda *a: jax.vjp(ref_fn, *a[:4])[1](a[4]))(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), s,
-        do.astype(jnp.float32))
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        s,
+        do.astype(jnp.float32),
+    )
     bwd = jax.jit(functools.partial(K.flash_attention_bwd, tiles=tiles, interpret=interpret, **cfg))
     got = bwd(q, k, v, o, lse, do, sinks=s, **cu)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
@@ -235,8 +281,13 @@ def _check_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, cfg, sinks=False, tiles=SMA
         # one key has d softmax = 0) f32 rounding of ds = p * (dp - di) leaves ~1e-6.
         scale = max(float(np.max(np.abs(np.asarray(w)))), 1e-1)
         atol = 1e-4 if dtype == jnp.float32 else 5e-2
-        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale,
-                                   atol=atol, rtol=0, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32) / scale,
+            np.asarray(w) / scale,
+            atol=atol,
+            rtol=0,
+            err_msg=name,
+        )
 
 
 @st.composite
@@ -261,9 +312,17 @@ def test_varlen_forward_and_grads_sweep(config):
     lens_q, lens_k, causal, window, softcap, sinks, dtype, tiles = config
     if sum(lens_q) == 0 or sum(lens_k) == 0:
         lens_q, lens_k = [l + 1 for l in lens_q], [l + 1 for l in lens_k]
-    _check_varlen(lens_q, lens_k, 4, 2, 64, dtype,
-                  dict(causal=causal, window_size=window, softcap=softcap), sinks=sinks,
-                  tiles=tiles)
+    _check_varlen(
+        lens_q,
+        lens_k,
+        4,
+        2,
+        64,
+        dtype,
+        dict(causal=causal, window_size=window, softcap=softcap),
+        sinks=sinks,
+        tiles=tiles,
+    )
 
 
 def test_varlen_packed_causal_gqa():
@@ -288,8 +347,9 @@ def _brute_pairs(seqs, nq, nk, bq, bk, band):
 
 
 @pytest.mark.parametrize("kv_major", [False, True])
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)),
-                                           (False, (9, 4))])
+@pytest.mark.parametrize(
+    "causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)), (False, (9, 4))]
+)
 def test_work_list_is_exactly_the_nonempty_pairs(kv_major, causal, window):
     band = K.Band.make(causal, *window)
     cq = np.array([0, 13, 13, 70, 96], np.int32)
@@ -299,17 +359,27 @@ def test_work_list_is_exactly_the_nonempty_pairs(kv_major, causal, window):
     nq, nk = 7, 4
     want = _brute_pairs(seqs, nq, nk, bq, bk, band)
     static = K.build_work_list(seqs, nq, nk, bq, bk, band, kv_major=kv_major)
-    dynamic = np.asarray(K.build_work_list(tuple(jnp.asarray(a) for a in seqs), nq, nk, bq, bk, band,
-                                           kv_major=kv_major,
-                                           max_items=K.max_work_items(4, nq, nk)))
+    dynamic = np.asarray(
+        K.build_work_list(
+            tuple(jnp.asarray(a) for a in seqs),
+            nq,
+            nk,
+            bq,
+            bk,
+            band,
+            kv_major=kv_major,
+            max_items=K.max_work_items(4, nq, nk),
+        )
+    )
     for it in (static, dynamic):
         qi, ki, si, fl = it
-        valid = (fl & K.VALID) != 0
+        valid = (fl & K.COMPUTE) != 0
         got = {(int(a), int(b), int(c)) for a, b, c in zip(qi[valid], ki[valid], si[valid])}
         assert got == want
         assert valid.sum() == len(want)  # each non-empty pair exactly once
         outer = ki if kv_major else qi
-        live = (fl & (K.FIRST | K.LAST | K.VALID)) != 0
+        live = (fl & K.VALID) != 0
+        assert np.all(live == (fl != 0))  # every listed item, dummies included, is VALID
         # every outer block is opened and closed exactly once (dummy items for untouched ones)
         n_outer = nk if kv_major else nq
         assert sorted(outer[(fl & K.FIRST) != 0].tolist()) == list(range(n_outer))
@@ -329,21 +399,28 @@ def test_segment_ids_drop_pairs_per_batch_row(kv_major, causal):
     band = K.Band.make(causal, -1, -1)
     S, bq, bk = 96, 16, 32
     seqs = tuple(np.array([v], np.int32) for v in (0, S, 0, S, 0))
-    rows = [np.repeat([0, 1, 2, 3], [20, 30, 6, 40]),  # packed documents
-            np.zeros(S, np.int64),  # one document: nothing to drop beyond the band
-            np.repeat([5, 7], [50, 46])]
+    rows = [
+        np.repeat([0, 1, 2, 3], [20, 30, 6, 40]),  # packed documents
+        np.zeros(S, np.int64),  # one document: nothing to drop beyond the band
+        np.repeat([5, 7], [50, 46]),
+    ]
     band_list = K.build_work_list(seqs, S // bq, S // bk, bq, bk, band, kv_major=kv_major)
-    n_band = int(((band_list[3] & K.VALID) != 0).sum())
+    n_band = int(((band_list[3] & K.COMPUTE) != 0).sum())
     for ids in rows:
         qb, kb = ids.reshape(-1, bq), ids.reshape(-1, bk)
         ranges = (qb.min(1), qb.max(1), kb.min(1), kb.max(1))
-        it = K.build_work_list(seqs, S // bq, S // bk, bq, bk, band, kv_major=kv_major,
-                               segment_ranges=ranges)
-        valid = (it[3] & K.VALID) != 0
+        it = K.build_work_list(
+            seqs, S // bq, S // bk, bq, bk, band, kv_major=kv_major, segment_ranges=ranges
+        )
+        valid = (it[3] & K.COMPUTE) != 0
         got = {(int(a), int(b)) for a, b in zip(it[0][valid], it[1][valid])}
         assert len(got) == int(valid.sum())
-        need = {(t // bq, u // bk) for t in range(S) for u in range(S)
-                if ids[t] == ids[u] and (u <= t or not causal)}
+        need = {
+            (t // bq, u // bk)
+            for t in range(S)
+            for u in range(S)
+            if ids[t] == ids[u] and (u <= t or not causal)
+        }
         assert need <= got
         for qi, ki in got:
             assert qb[qi].min() <= kb[ki].max() and kb[ki].min() <= qb[qi].max()
@@ -357,8 +434,15 @@ def test_segment_ids_drop_pairs_per_batch_row(kv_major, causal):
 
 
 def test_cost_model_no_steps_on_empty_pairs_and_window_savings():
-    shape = dict(batch=1, num_q_heads=32, num_kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
-                 dtype=jnp.bfloat16)
+    shape = dict(
+        batch=1,
+        num_q_heads=32,
+        num_kv_heads=8,
+        q_len=8192,
+        kv_len=8192,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+    )
     tiles = T.Tiles(256, 512, 256, 256, 512)
     full = T.estimate_cost(causal=False, tiles=tiles, **shape)
     causal = T.estimate_cost(causal=True, tiles=tiles, **shape)
@@ -381,8 +465,17 @@ def test_default_tiles_near_minimum_bytes_and_window_work_cut(gen):
     """At Llama-3-8B 8192 with the tiles choose_tiles picks: full causal moves at most 1.3x the
     minimum bytes, a 1024 window at most 1.02x, and the window cuts MXU work and modelled time
     at least 2.8x (benchmarks/window_cut.py prints the whole comparison)."""
-    shape = dict(batch=1, num_q_heads=32, num_kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
-                 dtype=jnp.bfloat16, causal=True, generation=gen)
+    shape = dict(
+        batch=1,
+        num_q_heads=32,
+        num_kv_heads=8,
+        q_len=8192,
+        kv_len=8192,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation=gen,
+    )
     g = T.GENERATIONS[gen]
     full = T.estimate_cost(window_size=(-1, -1), **shape)
     win = T.estimate_cost(window_size=(1023, 0), **shape)
@@ -397,15 +490,43 @@ def test_default_tiles_near_minimum_bytes_and_window_work_cut(gen):
 def test_choose_tiles_fits_vmem(gen):
     g = T.GENERATIONS[gen]
     for d, (hq, hkv) in ((128, (32, 8)), (256, (8, 4)), (64, (16, 1))):
-        t = T.choose_tiles(q_len=8192, kv_len=8192, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                           dtype=jnp.bfloat16, causal=True, generation=gen)
+        t = T.choose_tiles(
+            q_len=8192,
+            kv_len=8192,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            dtype=jnp.bfloat16,
+            causal=True,
+            generation=gen,
+        )
         assert t.block_q >= 128 and t.block_kv >= 128 and t.block_q_bwd >= 128
         assert t.vmem_limit_bytes <= g.vmem_bytes * 3 // 4
-        assert T.vmem_need_fwd(hq // hkv, d, 2, t.block_q, t.block_kv, t.block_kv_compute,
-                               block_q_compute=t.q_compute) <= t.vmem_limit_bytes
+        assert (
+            T.vmem_need_fwd(
+                hq // hkv,
+                d,
+                2,
+                t.block_q,
+                t.block_kv,
+                t.block_kv_compute,
+                block_q_compute=t.q_compute,
+            )
+            <= t.vmem_limit_bytes
+        )
     override = T.Tiles(128, 128, 128, 128, 128)
-    assert T.choose_tiles(q_len=1, kv_len=1, num_q_heads=1, num_kv_heads=1, head_dim=64,
-                          dtype=jnp.float32, override=override) is override
+    assert (
+        T.choose_tiles(
+            q_len=1,
+            kv_len=1,
+            num_q_heads=1,
+            num_kv_heads=1,
+            head_dim=64,
+            dtype=jnp.float32,
+            override=override,
+        )
+        is override
+    )
     with pytest.raises(ValueError, match="power of two"):
         T.Tiles(block_q=100)
 
@@ -421,90 +542,65 @@ def _tpu_params():
     return tpu_interpret_params()
 
 
-def _no_races():
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-    races = getattr(ipc, "races", None)
-    return not (races is not None and races.races_found)
-
-
-TINY = T.Tiles(block_q=32, block_kv=32, block_kv_compute=16, block_q_bwd=32, block_kv_bwd=32,
-               block_q_compute=16, block_q_compute_bwd=16, block_kv_compute_bwd=16)
+TINY = T.Tiles(
+    block_q=32,
+    block_kv=32,
+    block_kv_compute=16,
+    block_q_bwd=32,
+    block_kv_bwd=32,
+    block_q_compute=16,
+    block_q_compute_bwd=16,
+    block_kv_compute_bwd=16,
+)
 
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fused", [False, True])
 def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
-    from jax.experimental.pallas import tpu as pltpu
-
-    pltpu.reset_tpu_interpret_mode_state()
-    try:
+    with tpu_interpreter.race_checked():
         tiles = dataclasses.replace(TINY, fused_bwd=fused)
-        _check_dense(*_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True,
-                                  False), tiles=tiles, interpret=_tpu_params())
-        assert _no_races()
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
+        _check_dense(
+            *_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True, False),
+            tiles=tiles,
+            interpret=_tpu_params(),
+        )
 
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 def test_tpu_interpret_varlen_bf16_softcap():
-    from jax.experimental.pallas import tpu as pltpu
-
-    pltpu.reset_tpu_interpret_mode_state()
-    try:
-        _check_varlen([9, 0, 23], [9, 4, 30], 2, 1, 64, jnp.bfloat16,
-                      dict(causal=True, softcap=5.0), tiles=TINY, interpret=_tpu_params())
-        assert _no_races()
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
-
-
-class _HbmCounter:
-    """Bytes the TPU interpreter copies between HBM and the kernel's buffers (BlockSpec copies in,
-    output blocks out), by wrapping its get/store callbacks (bound when the call is traced)."""
-
-    def __init__(self, monkeypatch):
-        from jax._src.pallas.mosaic import core as mosaic_core
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-        self.read = self.written = 0
-        hbm = ipc.TPU_MEMORY_SPACE_IDXS[mosaic_core.MemorySpace.HBM]
-        get, store = ipc.get, ipc.store
-
-        def counting_get(token, device_id, core, space, *a, **k):
-            out = get(token, device_id, core, space, *a, **k)
-            if int(space) == hbm:
-                self.read += out[1].nbytes
-            return out
-
-        def counting_store(token, device_id, core, space, buf, transforms, val, *a, **k):
-            if int(space) == hbm:
-                self.written += np.asarray(val).nbytes
-            return store(token, device_id, core, space, buf, transforms, val, *a, **k)
-
-        monkeypatch.setattr(ipc, "get", counting_get)
-        monkeypatch.setattr(ipc, "store", counting_store)
-
-    @property
-    def block_bytes(self):
-        # The interpreter first reads each whole output array once (hardware does not): that read
-        # equals `written`, as every output block of these kernels is written exactly once. So
-        # block copies in + blocks written out = (read - written) + written = read.
-        return self.read
+    with tpu_interpreter.race_checked():
+        _check_varlen(
+            [9, 0, 23],
+            [9, 4, 30],
+            2,
+            1,
+            64,
+            jnp.bfloat16,
+            dict(causal=True, softcap=5.0),
+            tiles=TINY,
+            interpret=_tpu_params(),
+        )
 
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["dense_window_sinks", "varlen_causal", "dense_segments",
-                                  "varlen_causal_fused_bwd"])
-def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
-    from jax.experimental.pallas import tpu as pltpu
-
-    tiles = T.Tiles(128, 256, 128, 128, 256, fused_bwd=case.endswith("fused_bwd"),
-                    block_q_compute_bwd=64 if case.endswith("fused_bwd") else None)
+@pytest.mark.parametrize(
+    "case", ["dense_window_sinks", "varlen_causal", "dense_segments", "varlen_causal_fused_bwd"]
+)
+def test_estimate_cost_bytes_exact_against_interpreter(case):
+    """estimate_cost's hbm_bytes equals the bytes the TPU interpreter copies between HBM and the
+    kernel's buffers (BlockSpec copies in, output blocks written back), edge blocks padded."""
+    tiles = T.Tiles(
+        128,
+        256,
+        128,
+        128,
+        256,
+        fused_bwd=case.endswith("fused_bwd"),
+        block_q_compute_bwd=64 if case.endswith("fused_bwd") else None,
+    )
     params = _tpu_params()
     if case == "dense_window_sinks":
         B, Hq, Hkv, S, D, dtype = 2, 2, 1, 384, 128, jnp.float32
@@ -531,11 +627,19 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
         cfg = dict(causal=True)
         kw = dict(cu_seqlens_q=jnp.asarray(cu, jnp.int32), cu_seqlens_k=jnp.asarray(cu, jnp.int32))
         cost_kw = dict(batch=1, q_len=S, kv_len=S, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    cost_kw.update(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype, causal=True,
-                   window_size=cfg.get("window_size", (-1, -1)), tiles=tiles,
-                   count_scalar_prefetch=False)
+    cost_kw.update(
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        dtype=dtype,
+        causal=True,
+        window_size=cfg.get("window_size", (-1, -1)),
+        tiles=tiles,
+        count_scalar_prefetch=False,
+    )
     o, lse = jax.jit(functools.partial(K.flash_attention_fwd, tiles=tiles, interpret=True, **cfg))(
-        q, k, k, **kw)
+        q, k, k, **kw
+    )
     if case == "dense_segments":
         # the segment ids do drop pairs: fewer steps and bytes than the band alone
         plain = {k_: v_ for k_, v_ in cost_kw.items() if "segment" not in k_}
@@ -543,22 +647,23 @@ def test_estimate_cost_bytes_exact_against_interpreter(case, monkeypatch):
         band_only = T.estimate_cost(pass_="fwd", segments=True, **plain)
         assert with_ids.hbm_bytes < band_only.hbm_bytes
         assert with_ids.useful_flops < band_only.useful_flops
-        ref = R.attention(q, k, k, q_segment_ids=kw["q_segment_ids"],
-                          kv_segment_ids=kw["kv_segment_ids"], **cfg)
+        ref = R.attention(
+            q, k, k, q_segment_ids=kw["q_segment_ids"], kv_segment_ids=kw["kv_segment_ids"], **cfg
+        )
         _close(o, ref, **_tol(dtype))
-    pltpu.reset_tpu_interpret_mode_state()
-    try:
-        counter = _HbmCounter(monkeypatch)
-        jax.block_until_ready(K.flash_attention_fwd(q, k, k, tiles=tiles, interpret=params,
-                                                    **cfg, **kw))
-        assert counter.block_bytes == T.estimate_cost(pass_="fwd", **cost_kw).hbm_bytes
-        counter = _HbmCounter(monkeypatch)
-        jax.block_until_ready(K.flash_attention_bwd(q, k, k, o, lse, q, tiles=tiles,
-                                                    interpret=params, **cfg, **kw))
-        assert counter.block_bytes == T.estimate_cost(pass_="bwd", **cost_kw).hbm_bytes
-        assert _no_races()
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
+    with tpu_interpreter.race_checked():
+        with tpu_interpreter.count_traffic(params) as fwd:
+            jax.block_until_ready(
+                K.flash_attention_fwd(q, k, k, tiles=tiles, interpret=params, **cfg, **kw)
+            )
+        with tpu_interpreter.count_traffic(params) as bwd:
+            jax.block_until_ready(
+                K.flash_attention_bwd(
+                    q, k, k, o, lse, q, tiles=tiles, interpret=params, **cfg, **kw
+                )
+            )
+    assert fwd.hbm_bytes == T.estimate_cost(pass_="fwd", **cost_kw).hbm_bytes
+    assert bwd.hbm_bytes == T.estimate_cost(pass_="bwd", **cost_kw).hbm_bytes
 
 
 def _pallas_cost_estimates(jaxpr):
@@ -568,7 +673,7 @@ def _pallas_cost_estimates(jaxpr):
         if eqn.primitive.name == "pallas_call":
             found.append(eqn.params["cost_estimate"])
         for v in eqn.params.values():
-            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
                 inner = getattr(sub, "jaxpr", None)
                 if inner is not None:
                     found += _pallas_cost_estimates(getattr(inner, "jaxpr", inner))
@@ -583,13 +688,27 @@ def test_pallas_calls_carry_estimate_cost(fused):
     tiles = dataclasses.replace(WIDE, fused_bwd=fused, block_kv_bwd=32, block_kv_compute_bwd=16)
     q, k = _rand(0, (B, Hq, S, D)), _rand(1, (B, Hkv, S, D))
     cfg = dict(causal=True, window_size=(100, -1), tiles=tiles, interpret=True)
-    kw = dict(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, q_len=S, kv_len=S, head_dim=D,
-              dtype=jnp.float32, causal=True, window_size=(100, -1), tiles=tiles)
+    kw = dict(
+        batch=B,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        q_len=S,
+        kv_len=S,
+        head_dim=D,
+        dtype=jnp.float32,
+        causal=True,
+        window_size=(100, -1),
+        tiles=tiles,
+    )
     lse = jnp.zeros((B, Hq, S), jnp.float32)
     for pass_, fn, args in (
-            ("fwd", lambda q, k: K.flash_attention_fwd(q, k, k, **cfg), (q, k)),
-            ("bwd", lambda q, k, lse: K.flash_attention_bwd(q, k, k, q, lse, q, **cfg)[:3],
-             (q, k, lse))):
+        ("fwd", lambda q, k: K.flash_attention_fwd(q, k, k, **cfg), (q, k)),
+        (
+            "bwd",
+            lambda q, k, lse: K.flash_attention_bwd(q, k, k, q, lse, q, **cfg)[:3],
+            (q, k, lse),
+        ),
+    ):
         got = _pallas_cost_estimates(jax.make_jaxpr(fn)(*args).jaxpr)
         want = T.estimate_cost(pass_=pass_, **kw)
         assert len(got) == (1 if pass_ == "fwd" or fused else 2)

@@ -2,7 +2,6 @@
 the f32 reference, opcheck, torch.compile(fullgraph=True), TPU interpret mode through the ops, and
 bad inputs raising clear errors before any kernel runs."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -17,7 +16,9 @@ def _ref_dense(q, k, v, **kw):
     """Reference in torch layout [B, S, H, D] -> [B, S, H, D] (f32 numpy)."""
     t = lambda x: np.swapaxes(x.detach().float().numpy(), 1, 2)  # noqa: E731
     s = kw.pop("s_aux", None)
-    out = R.attention(t(q), t(k), t(v), sinks=None if s is None else s.detach().float().numpy(), **kw)
+    out = R.attention(
+        t(q), t(k), t(v), sinks=None if s is None else s.detach().float().numpy(), **kw
+    )
     return np.swapaxes(np.asarray(out), 1, 2)
 
 
@@ -28,7 +29,7 @@ def _torch_ref(q, k, v, causal=False, window=(-1, -1), softcap=0.0, s_aux=None, 
     Hkv, Sk = k.shape[1], k.shape[2]
     k = k.repeat_interleave(H // Hkv, 1)
     v = v.repeat_interleave(H // Hkv, 1)
-    s = q @ k.transpose(-1, -2) * (scale or D ** -0.5)
+    s = q @ k.transpose(-1, -2) * (scale or D**-0.5)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     m = torch.from_numpy(np.array(R.mask(Sq, Sk, causal=causal, window_size=window)))
@@ -53,10 +54,14 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed=0):
         (1, 40, 40, 2, 2, 80, torch.bfloat16, False, (5, 5), 0.0, True),
     ],
 )
-def test_flash_attn_func_forward_backward(B, Sq, Sk, Hq, Hkv, D, dtype, causal, window, softcap, sinks):
+def test_flash_attn_func_forward_backward(
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal, window, softcap, sinks
+):
     q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dtype)
     s_aux = torch.randn(Hq, requires_grad=True) if sinks else None
-    out = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, s_aux=s_aux)
+    out = fa.flash_attn_func(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, s_aux=s_aux
+    )
     assert out.shape == q.shape and out.dtype == dtype
     ref = _torch_ref(q, k, v, causal, window, softcap, s_aux)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
@@ -75,7 +80,7 @@ def test_flash_attn_func_return_lse():
     q, k, v = _inputs(1, 24, 24, 2, 1, 64, torch.float32)
     out, lse, probs = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert probs is None and lse.shape == (1, 2, 24) and lse.dtype == torch.float32
-    s = torch.einsum("bqhd,bkhd->bhqk", q.detach(), k.detach().expand(-1, -1, 2, -1)) * 64 ** -0.5
+    s = torch.einsum("bqhd,bkhd->bhqk", q.detach(), k.detach().expand(-1, -1, 2, -1)) * 64**-0.5
     s = s.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
 
@@ -105,8 +110,12 @@ def test_flash_attn_varlen_func_forward_backward(dtype):
     want = torch.autograd.grad(ref, [q, k, v], do.float())
     for a, b in zip(got, want):
         scale = max(float(b.abs().max()), 1e-2)
-        torch.testing.assert_close(a.float() / scale, b.float() / scale,
-                                   atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
+        torch.testing.assert_close(
+            a.float() / scale,
+            b.float() / scale,
+            atol=1e-4 if dtype == torch.float32 else 5e-2,
+            rtol=0,
+        )
 
 
 def test_opcheck():
@@ -116,8 +125,9 @@ def test_opcheck():
     torch.library.opcheck(fa.ops.fwd_op, args, raise_exception=True)
     out, lse = fa.ops.fwd_op(*args)
     bargs = (torch.randn_like(out), q, k, v, out, lse, s_aux, None, None, True, -1, -1, 0.0, 0.125)
-    torch.library.opcheck(fa.ops.bwd_op, bargs, raise_exception=True,
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        fa.ops.bwd_op, bargs, raise_exception=True, test_utils=("test_schema", "test_faketensor")
+    )
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)
     vargs = (q[0], k[0], v[0], None, cu, cu, False, 3, 2, 5.0, 0.2)
     torch.library.opcheck(fa.ops.fwd_op, vargs, raise_exception=True)
@@ -139,11 +149,15 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(a, b)
     # Inductor too, with the varlen entry point (cu_seqlens values are not inspected in the graph).
     cu = torch.tensor([0, 10, 32], dtype=torch.int32)
-    fv = torch.compile(lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, 22, 22, causal=True),
-                       fullgraph=True)
+    fv = torch.compile(
+        lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, 22, 22, causal=True),
+        fullgraph=True,
+    )
     got = fv(q[0].detach(), k[0].detach(), v[0].detach())
-    torch.testing.assert_close(got, fa.flash_attn_varlen_func(q[0].detach(), k[0].detach(),
-                                                              v[0].detach(), cu, cu, causal=True))
+    torch.testing.assert_close(
+        got,
+        fa.flash_attn_varlen_func(q[0].detach(), k[0].detach(), v[0].detach(), cu, cu, causal=True),
+    )
 
 
 @pytest.mark.tpu_interpret
@@ -171,26 +185,122 @@ _kv = torch.randn(10, 2, 64)
 _cu = torch.tensor([0, 4, 10], dtype=torch.int32)
 
 BAD = [
-    ("dropout", lambda: fa.flash_attn_func(_q, _k, _k, dropout_p=0.1), NotImplementedError, "dropout"),
-    ("alibi", lambda: fa.flash_attn_func(_q, _k, _k, alibi_slopes=torch.ones(4)), NotImplementedError, "alibi"),
-    ("heads", lambda: fa.flash_attn_func(_q, torch.randn(1, 8, 3, 64), torch.randn(1, 8, 3, 64)), ValueError, "multiple"),
-    ("head_dim", lambda: fa.flash_attn_func(_q, torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32)), ValueError, "head dims"),
-    ("head_dim_big", lambda: fa.flash_attn_func(torch.randn(1, 8, 2, 512), torch.randn(1, 8, 2, 512), torch.randn(1, 8, 2, 512)), ValueError, "head dim"),
-    ("kv_shape", lambda: fa.flash_attn_func(_q, _k, torch.randn(1, 9, 2, 64)), ValueError, "same shape"),
-    ("batch", lambda: fa.flash_attn_func(_q, torch.randn(2, 8, 2, 64), torch.randn(2, 8, 2, 64)), ValueError, "batch"),
+    (
+        "dropout",
+        lambda: fa.flash_attn_func(_q, _k, _k, dropout_p=0.1),
+        NotImplementedError,
+        "dropout",
+    ),
+    (
+        "alibi",
+        lambda: fa.flash_attn_func(_q, _k, _k, alibi_slopes=torch.ones(4)),
+        NotImplementedError,
+        "alibi",
+    ),
+    (
+        "heads",
+        lambda: fa.flash_attn_func(_q, torch.randn(1, 8, 3, 64), torch.randn(1, 8, 3, 64)),
+        ValueError,
+        "multiple",
+    ),
+    (
+        "head_dim",
+        lambda: fa.flash_attn_func(_q, torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32)),
+        ValueError,
+        "head dims",
+    ),
+    (
+        "head_dim_big",
+        lambda: fa.flash_attn_func(
+            torch.randn(1, 8, 2, 512), torch.randn(1, 8, 2, 512), torch.randn(1, 8, 2, 512)
+        ),
+        ValueError,
+        "head dim",
+    ),
+    (
+        "kv_shape",
+        lambda: fa.flash_attn_func(_q, _k, torch.randn(1, 9, 2, 64)),
+        ValueError,
+        "same shape",
+    ),
+    (
+        "batch",
+        lambda: fa.flash_attn_func(_q, torch.randn(2, 8, 2, 64), torch.randn(2, 8, 2, 64)),
+        ValueError,
+        "batch",
+    ),
     ("ndim", lambda: fa.flash_attn_func(_qv, _kv, _kv), ValueError, "4-D"),
     ("dtype", lambda: fa.flash_attn_func(_q.half(), _k.half(), _k.half()), TypeError, "dtype"),
-    ("mixed_dtype", lambda: fa.flash_attn_func(_q, _k.bfloat16(), _k.bfloat16()), TypeError, "share a dtype"),
-    ("window", lambda: fa.flash_attn_func(_q, _k, _k, window_size=(-2, 0)), ValueError, "window_size"),
-    ("window_len", lambda: fa.flash_attn_func(_q, _k, _k, window_size=(3,)), ValueError, "window_size"),
+    (
+        "mixed_dtype",
+        lambda: fa.flash_attn_func(_q, _k.bfloat16(), _k.bfloat16()),
+        TypeError,
+        "share a dtype",
+    ),
+    (
+        "window",
+        lambda: fa.flash_attn_func(_q, _k, _k, window_size=(-2, 0)),
+        ValueError,
+        "window_size",
+    ),
+    (
+        "window_len",
+        lambda: fa.flash_attn_func(_q, _k, _k, window_size=(3,)),
+        ValueError,
+        "window_size",
+    ),
     ("softcap", lambda: fa.flash_attn_func(_q, _k, _k, softcap=-1.0), ValueError, "softcap"),
     ("s_aux", lambda: fa.flash_attn_func(_q, _k, _k, s_aux=torch.zeros(3)), ValueError, "s_aux"),
-    ("cu_not_increasing", lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, torch.tensor([0, 6, 4, 10], dtype=torch.int32), torch.tensor([0, 6, 4, 10], dtype=torch.int32), 6, 6), ValueError, "non-decreasing"),
-    ("cu_total", lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, torch.tensor([0, 4, 9], dtype=torch.int32), _cu, 5, 6), ValueError, "packed length"),
-    ("cu_start", lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, torch.tensor([1, 4, 10], dtype=torch.int32), _cu, 6, 6), ValueError, "start at 0"),
-    ("cu_len_mismatch", lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, _cu, torch.tensor([0, 10], dtype=torch.int32), 6, 10), ValueError, "same length"),
-    ("cu_dtype", lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, _cu.float(), _cu, 6, 6), TypeError, "int32"),
-    ("varlen_ndim", lambda: fa.flash_attn_varlen_func(_q, _k, _k, _cu, _cu, 6, 6), ValueError, "3-D"),
+    (
+        "cu_not_increasing",
+        lambda: fa.flash_attn_varlen_func(
+            _qv,
+            _kv,
+            _kv,
+            torch.tensor([0, 6, 4, 10], dtype=torch.int32),
+            torch.tensor([0, 6, 4, 10], dtype=torch.int32),
+            6,
+            6,
+        ),
+        ValueError,
+        "non-decreasing",
+    ),
+    (
+        "cu_total",
+        lambda: fa.flash_attn_varlen_func(
+            _qv, _kv, _kv, torch.tensor([0, 4, 9], dtype=torch.int32), _cu, 5, 6
+        ),
+        ValueError,
+        "packed length",
+    ),
+    (
+        "cu_start",
+        lambda: fa.flash_attn_varlen_func(
+            _qv, _kv, _kv, torch.tensor([1, 4, 10], dtype=torch.int32), _cu, 6, 6
+        ),
+        ValueError,
+        "start at 0",
+    ),
+    (
+        "cu_len_mismatch",
+        lambda: fa.flash_attn_varlen_func(
+            _qv, _kv, _kv, _cu, torch.tensor([0, 10], dtype=torch.int32), 6, 10
+        ),
+        ValueError,
+        "same length",
+    ),
+    (
+        "cu_dtype",
+        lambda: fa.flash_attn_varlen_func(_qv, _kv, _kv, _cu.float(), _cu, 6, 6),
+        TypeError,
+        "int32",
+    ),
+    (
+        "varlen_ndim",
+        lambda: fa.flash_attn_varlen_func(_q, _k, _k, _cu, _cu, 6, 6),
+        ValueError,
+        "3-D",
+    ),
 ]
 
 
@@ -206,8 +316,12 @@ def test_bad_inputs_raise_before_kernel(name, fn, exc, match, monkeypatch):
 
 
 def test_torch_compile_dynamic_shapes():
-    f = torch.compile(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True), fullgraph=True,
-                      dynamic=True, backend="aot_eager")
+    f = torch.compile(
+        lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True),
+        fullgraph=True,
+        dynamic=True,
+        backend="aot_eager",
+    )
     for s in (20, 33):  # the second length reuses the symbolic graph
         q, k, v = (x.detach() for x in _inputs(1, s, s, 4, 2, 64, torch.float32, seed=s))
         torch.testing.assert_close(f(q, k, v), fa.flash_attn_func(q, k, v, causal=True))
@@ -225,12 +339,28 @@ def test_attention_forward_window_softcap_sinks_and_padding():
     s_aux = torch.randn(H)
     mask = torch.ones(B, S, dtype=torch.long)
     mask[1, :7] = 0  # left padding
-    out, weights = fa.attention_forward(Module(), q.transpose(1, 2), k.transpose(1, 2),
-                                        v.transpose(1, 2), mask, scaling=0.1, sliding_window=sw,
-                                        softcap=20.0, s_aux=s_aux)
+    out, weights = fa.attention_forward(
+        Module(),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask,
+        scaling=0.1,
+        sliding_window=sw,
+        softcap=20.0,
+        s_aux=s_aux,
+    )
     assert weights is None and out.shape == (B, S, H, D)
     for b, start in ((0, 0), (1, 7)):
-        want = _torch_ref(q[b:b + 1, start:], k[b:b + 1, start:], v[b:b + 1, start:], causal=True,
-                          window=(sw - 1, -1), softcap=20.0, s_aux=s_aux, scale=0.1)
-        torch.testing.assert_close(out[b:b + 1, start:], want, atol=2e-5, rtol=2e-5)
+        want = _torch_ref(
+            q[b : b + 1, start:],
+            k[b : b + 1, start:],
+            v[b : b + 1, start:],
+            causal=True,
+            window=(sw - 1, -1),
+            softcap=20.0,
+            s_aux=s_aux,
+            scale=0.1,
+        )
+        torch.testing.assert_close(out[b : b + 1, start:], want, atol=2e-5, rtol=2e-5)
     assert torch.all(out[1, :7] == 0)

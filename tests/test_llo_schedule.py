@@ -9,13 +9,11 @@ contraction, a predicated region is found and can be left out of a step.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import llo_schedule as L  # noqa: E402
 import schedule_model as M  # noqa: E402
@@ -91,8 +89,9 @@ def test_step_bundles_follow_regions_and_trips():
     assert M.step_bundles(s, M.StepKind("trips", 1, loop_trips={0: 5})) == 8 + 4 * 2
     # Skipping the region skips the loop inside it too, whatever its trip count.
     assert M.step_bundles(s, M.StepKind("skip", 1, regions=[], loop_trips={0: 5})) == 4
-    t = M.scheduled_time(s, [M.StepKind("a", 10), M.StepKind("b", 5, regions=[])],
-                         clock_hz=1e9, hbm_bytes_per_s=1e9)
+    t = M.scheduled_time(
+        s, [M.StepKind("a", 10), M.StepKind("b", 5, regions=[])], clock_hz=1e9, hbm_bytes_per_s=1e9
+    )
     outside = 11 - 8
     assert t.seconds == pytest.approx((10 * 8 + 5 * 4 + outside) * 1e-9)
     # A step whose bytes take longer than its bundles is DMA-bound.
@@ -100,12 +99,69 @@ def test_step_bundles_follow_regions_and_trips():
     assert t.seconds == pytest.approx((10 * 1000 + outside) * 1e-9) and t.bound == "DMA"
 
 
+# A grid step that chooses one of two MXU paths inside a `pl.when(valid)` wrapper, the way the
+# paged kernel picks its narrow (decode) or whole-q-block path: bundle 2 skips the wrapper
+# (bundles 3-9), bundle 3 the narrow path (bundle 4), bundle 6 the wide path (bundles 7-8).
+_BRANCHY = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %v2 = vld [vmem:[%s1] sm:$0xff] }
+   0x2   : > { %3 = sbr.rel (%p1) target = $region9 }
+   0x3   : > { %4 = sbr.rel (%p2) target = $region5 }
+   0x4   : > { %v5 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x5   : > { %v6 = vadd.f32 %v2, %v2 } /* Start region 5 */
+   0x6   : > { %7 = sbr.rel (%p3) target = $region7 }
+   0x7   : > { %v8 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x8   : > { %v9 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x9   : > { %v10 = vpop.f32.mrf.mxu0 } /* Start region 7 */
+   0xa   : > { %v11 = vpow2.f32 %v10 } /* Start region 9 */
+   0xb   : > { %12 = sbr.rel (%p4) target = $region2 }
+   0xc   :  { %13 = vsyncpa [#allocation3], 0 }
+"""
+
+
+def test_alternative_mxu_paths_charge_only_the_path_taken():
+    bundles = L.parse_bundles(_BRANCHY)
+    mxu = [1 if any(op.startswith("vmatmul") for op in b.ops) else 0 for b in bundles]
+    util = [[m, 0, 0, 0, 0, 0, 0, 0, 0, 1] for m in mxu]
+    s = L.Schedule("branchy", bundles, util, {u: 1 for u in L.UNITS}, "v6e")
+    assert s.hot_loop() is s.grid_loop()
+    model = M.work_model_inputs(s)
+    assert model["step_bundles"] == 11 and model["idle_step_bundles"] == 11 - 7
+    assert model["mxu_branches"] == [[1, 1], [2, 2]]  # narrow, then wide (program order)
+
+    class Gen:  # one bundle per ns, 1 byte per ns, no fixed per-step cost
+        clock_hz, hbm_bytes_per_s, bf16_flops, step_overhead_s = 1e9, 1e9, 1e30, 0.0
+
+    # 6 narrow steps, 2 wide ones, 2 idle: a busy step pays the step without either path plus
+    # the path it takes; an idle step pays what lies outside the wrapper.
+    t = M.scheduled_from_work(
+        model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, branch_runs=[6, 2]
+    )
+    shared = 11 - 1 - 2
+    want = 6 * (shared + 1) + 2 * (shared + 2) + 2 * 4 + 2  # + prologue and epilogue bundles
+    assert t["scheduled_us"] == pytest.approx(want * 1e-3)
+    # Charging every path on every busy step (the model without branch_runs) costs more.
+    every = M.scheduled_from_work(
+        model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, hot_iterations=8
+    )
+    assert every["scheduled_us"] == pytest.approx((8 * 11 + 2 * 4 + 2) * 1e-3)
+    with pytest.raises(ValueError, match="branch_runs"):
+        M.scheduled_from_work(
+            model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, branch_runs=[8]
+        )
+
+
 # ---- real schedules from libtpu ------------------------------------------------------------------
 
 
 def _matmul(generation="v6e", **kw):
-    (s,) = [x for x in L.dump_schedule("schedule_targets:plain_matmul", generation, kw,
-                                       name="plain_matmul") if x.is_mosaic]
+    (s,) = [
+        x
+        for x in L.dump_schedule(
+            "schedule_targets:plain_matmul", generation, kw, name="plain_matmul"
+        )
+        if x.is_mosaic
+    ]
     return s
 
 
@@ -153,11 +209,10 @@ def test_generation_units_and_capacity_differ():
 def test_results_say_scheduled_not_measured():
     import json
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import run
+    import report
 
     results = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())
-    md = run.markdown(results)
+    md = report.markdown(results)
     # results.md is exactly what the generator writes from results.json (nothing hand-edited).
     assert md == (ROOT / "benchmarks" / "results" / "results.md").read_text()
     assert "scheduled, not measured on a TPU" in md
@@ -173,7 +228,7 @@ def test_results_say_scheduled_not_measured():
         for g in r["per_generation"].values():
             g.pop("measured_us", None)
             g["scheduled"] = {"scheduled_us": 123456.0, "hot_mxu_occupancy": 0.5, "bound": "MXU"}
-    md2 = run.markdown(fake)
+    md2 = report.markdown(fake)
     assert "123456 (0.50, MXU)" in md2.replace("1.235e+05", "123456")
     for line in md2.splitlines():
         assert "measured 1.235e+05" not in line and "measured 123456" not in line
@@ -191,16 +246,12 @@ def test_gmm_trip_counts_equal_the_windows_the_interpreter_runs(tokens, experts,
     regions `side_region_runs` times (benchmarks/ours.py, from the work list on the host). Every
     row window, full or tail, loads the weight block from VMEM once per column chunk: counting
     those loads in TPU interpret mode counts the windows the kernel really ran."""
-    import collections
-
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import dma_counter
     import ours
     import shapes
+    import tpu_interpreter
 
     rd = ours.load("ragged_dot")
     s = shapes.RaggedDotShape("trips", tokens, experts, top_k, 384, 256)
@@ -209,26 +260,31 @@ def test_gmm_trip_counts_equal_the_windows_the_interpreter_runs(tokens, experts,
     assert t.tk > t.tm or t.tk != 256  # the weight block's shape is no window's shape
     trips = ours.ADAPTERS["ragged_dot"].schedule_trips(s, "v6e")
 
-    loads = collections.Counter()
-    inner = _ipc.get
-
-    def counting(*a, **k):
-        r = inner(*a, **k)
-        if k.get("input_name") is None:  # a load in the kernel body, not a BlockSpec copy
-            loads[tuple(r[1].shape)] += 1
-        return r
-
     lhs = jnp.ones((s.m, s.k), jnp.bfloat16)
     rhs = jnp.ones((s.experts, s.k, s.n), jnp.bfloat16)
-    _ipc.get = counting
-    try:
-        with dma_counter.count_traffic() as traffic:
-            jax.block_until_ready(rd.kernel.gmm(lhs, rhs, jnp.asarray(s.group_sizes, jnp.int32),
-                                                generation="v6e",
-                                                interpret=dma_counter.interpret_params()))
-    finally:
-        _ipc.get = inner
-    windows = loads[(t.tk, cn)] if t.tk != t.tm else None
+    with tpu_interpreter.count_traffic() as traffic:
+        jax.block_until_ready(
+            rd.kernel.gmm(
+                lhs,
+                rhs,
+                jnp.asarray(s.group_sizes, jnp.int32),
+                generation="v6e",
+                interpret=tpu_interpreter.counting_params(),
+            )
+        )
+    # kernel-body loads by shape: the weight block's (tk, cn) chunk is loaded once per window
+    windows = traffic.body_loads[(t.tk, cn)] if t.tk != t.tm else None
     assert windows == trips["hot_iterations"] + trips["side_region_runs"]
     assert trips["hot_iterations"] + trips["side_region_runs"] > 0
     assert traffic.grid_steps > 0
+
+
+def test_schedule_cache_key_covers_exactly_the_kernel_sources():
+    import schedule_rows
+
+    for kind in ("ragged_dot", "flash_attention", "paged_attention"):
+        names = {p.name for p in schedule_rows.kernel_sources(kind)}
+        # The compiled kernel, what it imports, and the shared modules vendored beside it ...
+        assert {"kernel.py", "tiling.py", "tpu_generations.py"} <= names, (kind, names)
+        # ... but not the torch ops or the Transformers glue: editing them keeps the cache.
+        assert not names & {"ops.py", "integration.py", "jax_bridge.py"}, (kind, names)

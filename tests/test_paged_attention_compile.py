@@ -24,12 +24,21 @@ def _compile(generation, page_size, tokens, separate=False, config=None, seqs=SE
     pages = ctx // page_size
     c = HKV if separate else 2 * HKV
     cache = ((seqs * pages, c, page_size, D), jnp.bfloat16)
-    fn = functools.partial(PA.kernel.ragged_paged_attention, generation=generation,
-                           config=config, interpret=False)
+    fn = functools.partial(
+        PA.kernel.ragged_paged_attention, generation=generation, config=config, interpret=False
+    )
     extra = {"v_pages": cache} if separate else {}
     return tpu_compile.compile_for(
-        generation, fn, ((tokens, HQ, D), jnp.bfloat16), cache, ((seqs,), jnp.int32),
-        ((seqs, pages), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32), **extra)
+        generation,
+        fn,
+        ((tokens, HQ, D), jnp.bfloat16),
+        cache,
+        ((seqs,), jnp.int32),
+        ((seqs, pages), jnp.int32),
+        ((seqs + 1,), jnp.int32),
+        ((1,), jnp.int32),
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
@@ -72,17 +81,29 @@ def test_default_tiles_fit_vmem_budget(generation):
     for page_size in (16, 32, 64, 128):
         for tokens in (SEQS, 2048 + SEQS - 1):
             cfg = PA.tiling.choose_config(
-                num_tokens=tokens, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                page_size=page_size, pages_per_seq=CTX // page_size, q_dtype="bfloat16",
-                kv_dtype="bfloat16", generation=generation)
+                num_tokens=tokens,
+                num_q_heads=HQ,
+                num_kv_heads=HKV,
+                head_dim=D,
+                page_size=page_size,
+                pages_per_seq=CTX // page_size,
+                q_dtype="bfloat16",
+                kv_dtype="bfloat16",
+                generation=generation,
+            )
             need = PA.tiling.vmem_need_bytes(
-                block_q=cfg.block_q, pages_per_block=cfg.pages_per_block, page_size=page_size,
-                num_kv_heads=HKV, group=HQ // HKV, head_dim=D, q_dtype="bfloat16",
-                kv_dtype="bfloat16")
+                block_q=cfg.block_q,
+                pages_per_block=cfg.pages_per_block,
+                page_size=page_size,
+                num_kv_heads=HKV,
+                group=HQ // HKV,
+                head_dim=D,
+                q_dtype="bfloat16",
+                kv_dtype="bfloat16",
+            )
             assert need <= PA.tiling.vmem_budget_bytes(gen)
             assert PA.tpu_generations.vmem_limit_bytes(gen, need) <= gen.vmem_bytes * 3 // 4
             assert PA.tpu_generations.vmem_limit_bytes(gen, need) >= need
-
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
@@ -95,10 +116,19 @@ def test_cache_write_in_place_for_decode(generation):
     pages = CTX // page_size
     av = functools.partial(tpu_compile.tpu_aval, generation=generation)
     cache = av((SEQS * pages, 2 * HKV, page_size, D), jnp.bfloat16)
-    compiled = jax.jit(PA.kernel.write_kv, donate_argnums=0).trace(
-        cache, av((SEQS, 2 * HKV, D), jnp.bfloat16), av((SEQS,), jnp.int32),
-        av((SEQS, pages), jnp.int32), av((SEQS + 1,), jnp.int32), av((1,), jnp.int32)
-    ).lower().compile()
+    compiled = (
+        jax.jit(PA.kernel.write_kv, donate_argnums=0)
+        .trace(
+            cache,
+            av((SEQS, 2 * HKV, D), jnp.bfloat16),
+            av((SEQS,), jnp.int32),
+            av((SEQS, pages), jnp.int32),
+            av((SEQS + 1,), jnp.int32),
+            av((1,), jnp.int32),
+        )
+        .lower()
+        .compile()
+    )
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == SEQS * pages * 2 * HKV * page_size * D * 2
     assert mem.temp_size_in_bytes < 16 << 20
@@ -114,17 +144,33 @@ def _compile_token_major(generation, page_size, tokens, *, write, seqs=SEQS, ctx
     cache = av((seqs * pages, page_size, HKV, D), jnp.bfloat16)
     kw = {}
     if write:
-        kw = dict(new_k=av((tokens, HKV, D), jnp.bfloat16), new_v=av((tokens, HKV, D), jnp.bfloat16))
+        kw = dict(
+            new_k=av((tokens, HKV, D), jnp.bfloat16), new_v=av((tokens, HKV, D), jnp.bfloat16)
+        )
     fn = functools.partial(PA.kernel.paged_attention_token_major, generation=generation)
-    return jax.jit(fn, donate_argnums=(1, 2) if write else ()).trace(
-        av((tokens, HQ, D), jnp.bfloat16), cache, cache, av((seqs,), jnp.int32),
-        av((seqs, pages), jnp.int32), av((seqs + 1,), jnp.int32), av((1,), jnp.int32), **kw
-    ).lower().compile()
+    return (
+        jax.jit(fn, donate_argnums=(1, 2) if write else ())
+        .trace(
+            av((tokens, HQ, D), jnp.bfloat16),
+            cache,
+            cache,
+            av((seqs,), jnp.int32),
+            av((seqs, pages), jnp.int32),
+            av((seqs + 1,), jnp.int32),
+            av((1,), jnp.int32),
+            **kw,
+        )
+        .lower()
+        .compile()
+    )
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("page_size,tokens", [(128, SEQS), (16, 2048 + SEQS - 1)],
-                         ids=["decode_page128", "mixed_2111_page16"])
+@pytest.mark.parametrize(
+    "page_size,tokens",
+    [(128, SEQS), (16, 2048 + SEQS - 1)],
+    ids=["decode_page128", "mixed_2111_page16"],
+)
 def test_token_major_write_and_attention_in_place(generation, page_size, tokens):
     """Token-major caches read natively and the new tokens written by the Pallas writer in the same
     call: both 2 GiB caches aliased to the outputs, no cache-sized temporary (decode and a
@@ -149,9 +195,18 @@ def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
     pages = CTX // page_size
     cache = ((SEQS * pages, page_size, HKV, D), jnp.bfloat16)
     compiled = tpu_compile.compile_for(
-        generation, PA.ops._kvcache_jax, ((SEQS, 1, HQ, D), jnp.bfloat16), cache, cache,
-        ((SEQS,), jnp.int32), ((SEQS, pages), jnp.int32), causal=True,
-        static_argnames=("causal",))
+        generation,
+        PA.ops._kvcache_jax,
+        ((SEQS, HQ, D), jnp.bfloat16),
+        cache,
+        cache,
+        ((SEQS,), jnp.int32),
+        ((SEQS, pages), jnp.int32),
+        ((SEQS + 1,), jnp.int32),
+        ((1,), jnp.int32),
+        causal=True,
+        static_argnames=("causal",),
+    )
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
 
 
@@ -168,13 +223,29 @@ def test_quantised_token_major_compiles(generation, qdtype):
     cache = av((SEQS * pages, page_size, HKV, D), cdt)
     scale = av((SEQS * pages, HKV, page_size), jnp.float32)
     fn = functools.partial(PA.kernel.paged_attention_token_major, generation=generation)
-    compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(
-        av((SEQS, HQ, D), jnp.bfloat16), cache, cache, av((SEQS,), jnp.int32),
-        av((SEQS, pages), jnp.int32), av((SEQS + 1,), jnp.int32), av((1,), jnp.int32),
-        new_k=av((SEQS, HKV, D), cdt), new_v=av((SEQS, HKV, D), cdt), k_scale=scale,
-        v_scale=scale, new_k_scale=av((SEQS, HKV), jnp.float32),
-        new_v_scale=av((SEQS, HKV), jnp.float32), k_head_scale=av((HKV,), jnp.float32),
-        v_head_scale=av((HKV,), jnp.float32), sinks=av((HQ,), jnp.float32)).lower().compile()
+    compiled = (
+        jax.jit(fn, donate_argnums=(1, 2))
+        .trace(
+            av((SEQS, HQ, D), jnp.bfloat16),
+            cache,
+            cache,
+            av((SEQS,), jnp.int32),
+            av((SEQS, pages), jnp.int32),
+            av((SEQS + 1,), jnp.int32),
+            av((1,), jnp.int32),
+            new_k=av((SEQS, HKV, D), cdt),
+            new_v=av((SEQS, HKV, D), cdt),
+            k_scale=scale,
+            v_scale=scale,
+            new_k_scale=av((SEQS, HKV), jnp.float32),
+            new_v_scale=av((SEQS, HKV), jnp.float32),
+            k_head_scale=av((HKV,), jnp.float32),
+            v_head_scale=av((HKV,), jnp.float32),
+            sinks=av((HQ,), jnp.float32),
+        )
+        .lower()
+        .compile()
+    )
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == 2 * SEQS * CTX * HKV * D
     assert mem.temp_size_in_bytes < 64 << 20

@@ -18,7 +18,12 @@ import kernel_loader
 pytestmark = pytest.mark.e2e
 
 PA = kernel_loader.load_kernel("paged_attention")
-PROMPTS = [[1, 5, 9, 3], [7, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
+PROMPTS = [
+    [1, 5, 9, 3],
+    [7, 2],
+    [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 11, 12, 13, 14, 15, 16, 17, 18],
+    [3],
+]
 NEW_TOKENS = 6
 
 
@@ -26,8 +31,9 @@ def _cb_config():
     # A small paged cache: Transformers' default sizing allocates most of the host memory.
     from transformers import ContinuousBatchingConfig
 
-    return ContinuousBatchingConfig(block_size=16, num_blocks=32, max_batch_tokens=64,
-                                    max_blocks_per_request=4)
+    return ContinuousBatchingConfig(
+        block_size=16, num_blocks=32, max_batch_tokens=64, max_blocks_per_request=4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +41,26 @@ def model_and_reference():
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg).eval()
-    gc = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
+    gc = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist()
-                for p in PROMPTS]
+        want = [
+            model.generate(torch.tensor([p]), generation_config=gc)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
     return model, gc, want
 
 
@@ -58,6 +75,7 @@ def _generate_batch(model, gc, monkeypatch):
         def run(*a, **k):
             calls[name] += 1
             return op(*a, **k)
+
         return run
 
     # Transformers loads the same build (same op namespace and module): count the kernel's calls.
@@ -66,8 +84,9 @@ def _generate_batch(model, gc, monkeypatch):
     model.set_attn_implementation(PA.integration.HUB_ATTN_IMPLEMENTATION)
     try:
         with torch.no_grad():
-            res = model.generate_batch(inputs=PROMPTS, generation_config=gc,
-                                       continuous_batching_config=_cb_config())
+            res = model.generate_batch(
+                inputs=PROMPTS, generation_config=gc, continuous_batching_config=_cb_config()
+            )
     finally:
         model.set_attn_implementation("eager")
     return [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))], calls
@@ -125,8 +144,10 @@ def test_registered_attention_generate(model_and_reference, monkeypatch):
     model.set_attn_implementation(name)
     try:
         with torch.no_grad():
-            got = [model.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist()
-                   for p in PROMPTS[:2]]
+            got = [
+                model.generate(torch.tensor([p]), generation_config=gc)[0, len(p) :].tolist()
+                for p in PROMPTS[:2]
+            ]
     finally:
         model.set_attn_implementation("eager")
     assert got == want[:2]

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernel_loader
+import tpu_interpreter
 from jax_bridge import tpu_interpret_params
 
 PA = kernel_loader.load_kernel("paged_attention")
@@ -25,15 +26,30 @@ HQ, HKV, D = 4, 2, 128
 NUM_PAGES = S * P + 3
 
 
-def make_batch(rng, q_lens, kv_lens, *, dtype=np.float32, separate=False, num_slots=S,
-               pages_per_seq=P, page_size=PS, tokens=T, hq=HQ, hkv=HKV, d=D):
+def make_batch(
+    rng,
+    q_lens,
+    kv_lens,
+    *,
+    dtype=np.float32,
+    separate=False,
+    num_slots=S,
+    pages_per_seq=P,
+    page_size=PS,
+    tokens=T,
+    hq=HQ,
+    hkv=HKV,
+    d=D,
+):
     """Random q and paged cache for the live sequences (q_lens, kv_lens). Every cache slot no live
     key occupies (pages of nobody, rows past kv_len) is NaN, so reading one shows up."""
     n = len(q_lens)
     num_pages = num_slots * pages_per_seq + 3
     c = hkv if separate else 2 * hkv
-    caches = [np.full((num_pages, c, page_size, d), np.nan, np.float32)
-              for _ in range(2 if separate else 1)]
+    caches = [
+        np.full((num_pages, c, page_size, d), np.nan, np.float32)
+        for _ in range(2 if separate else 1)
+    ]
     pt = rng.permutation(num_pages)[: num_slots * pages_per_seq].reshape(num_slots, pages_per_seq)
     for s in range(n):
         for pos in range(kv_lens[s]):
@@ -41,29 +57,53 @@ def make_batch(rng, q_lens, kv_lens, *, dtype=np.float32, separate=False, num_sl
                 cache[pt[s, pos // page_size], :, pos % page_size] = rng.standard_normal((c, d))
     q = rng.standard_normal((tokens, hq, d)).astype(np.float32)
     cu = np.zeros(num_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
     kl = np.zeros(num_slots, np.int32)
     kl[:n] = kv_lens
     caches = [x.astype(dtype) for x in caches]
-    return dict(q=q.astype(dtype), kv=caches[0], v=caches[1] if separate else None,
-                kv_lens=kl, pt=pt.astype(np.int32), cu=cu, ns=np.array([n], np.int32))
+    return dict(
+        q=q.astype(dtype),
+        kv=caches[0],
+        v=caches[1] if separate else None,
+        kv_lens=kl,
+        pt=pt.astype(np.int32),
+        cu=cu,
+        ns=np.array([n], np.int32),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(sliding_window=None, soft_cap=None, causal=True, config=None, interpret=True):
-    return jax.jit(functools.partial(kernel.ragged_paged_attention, sliding_window=sliding_window,
-                                     soft_cap=soft_cap, causal=causal, config=config,
-                                     interpret=interpret))
+    return jax.jit(
+        functools.partial(
+            kernel.ragged_paged_attention,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            causal=causal,
+            config=config,
+            interpret=interpret,
+        )
+    )
 
 
 def run_and_check(b, *, sliding_window=None, soft_cap=None, causal=True, config=None, tol=2e-5):
     f = jitted(sliding_window, soft_cap, causal, config)
-    out = np.asarray(f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"]),
-                     np.float32)
+    out = np.asarray(
+        f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"]), np.float32
+    )
     ref = reference.ragged_paged_attention_ref(
-        b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"],
-        sliding_window=sliding_window, soft_cap=soft_cap, causal=causal)
+        b["q"],
+        b["kv"],
+        b["kv_lens"],
+        b["pt"],
+        b["cu"],
+        b["ns"],
+        v_pages=b["v"],
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        causal=causal,
+    )
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
     return out
@@ -95,8 +135,9 @@ def batches(draw, kind):
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=20, soft_cap=30.0)],
-                         ids=["plain", "window_softcap"])
+@pytest.mark.parametrize(
+    "opts", [dict(), dict(sliding_window=20, soft_cap=30.0)], ids=["plain", "window_softcap"]
+)
 @settings(max_examples=8)
 @given(data=st.data())
 def test_matches_reference(kind, opts, data):
@@ -104,13 +145,17 @@ def test_matches_reference(kind, opts, data):
     b = make_batch(np.random.default_rng(seed), q_lens, kv_lens)
     out = run_and_check(b, **opts)
     # Tokens of no live sequence come back as zeros.
-    assert not out[int(b["cu"][-1]):].any()
+    assert not out[int(b["cu"][-1]) :].any()
 
 
-@pytest.mark.parametrize("config", [
-    tiling.PagedAttentionConfig(block_q=8, pages_per_block=2),
-    tiling.PagedAttentionConfig(block_q=4, pages_per_block=1, stream_page_table=True),
-], ids=["bq8_ppb2", "bq4_ppb1_streamed_page_table"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiling.PagedAttentionConfig(block_q=8, pages_per_block=2),
+        tiling.PagedAttentionConfig(block_q=4, pages_per_block=1, stream_page_table=True),
+    ],
+    ids=["bq8_ppb2", "bq4_ppb1_streamed_page_table"],
+)
 @settings(max_examples=6)
 @given(batch=batches("mixed"))
 def test_small_tiles_and_separate_kv(config, batch):
@@ -130,29 +175,56 @@ def test_non_causal_and_bf16():
 
 
 @settings(max_examples=8)
-@given(batch=batches("mixed"), window=st.sampled_from([None, 1, 17, 40]),
-       bq=st.sampled_from([4, 8, 40]), ppb=st.sampled_from([1, 2, 5]))
-def test_work_list_matches_host_twin(batch, window, bq, ppb):
-    """kernel.build_work_list (jnp, in the traced program) == tiling.work_list_numpy (host, used by
-    estimate_cost), and the work list never lists a page outside the causal/window range."""
+@given(
+    batch=batches("mixed"),
+    window=st.sampled_from([None, 1, 17, 40]),
+    bq=st.sampled_from([4, 8, 40]),
+    ppb=st.sampled_from([1, 2, 5]),
+)
+def test_work_list_same_on_host_and_device(batch, window, bq, ppb):
+    """The one builder (schedule.build_work_list) gives the same items in the traced program
+    (xp=jnp, padded to max_items) and on the host (xp=np, what estimate_cost replays), and the
+    work list never lists a page outside the causal/window range."""
     q_lens, kv_lens, _ = batch
     n = len(q_lens)
     b = make_batch(np.random.default_rng(0), q_lens, kv_lens)
     nqb = -(-T // bq)
     # The window-aware bound the kernel uses must still hold every item.
-    max_items = tiling.max_items_bound(num_q_blocks=nqb, max_num_seqs=S, pages_per_seq=P,
-                                       pages_per_block=ppb, block_q=bq, page_size=PS,
-                                       sliding_window=window)
+    max_items = tiling.max_items_bound(
+        num_q_blocks=nqb,
+        max_num_seqs=S,
+        pages_per_seq=P,
+        pages_per_block=ppb,
+        block_q=bq,
+        page_size=PS,
+        sliding_window=window,
+    )
     work, total = kernel.build_work_list(
-        jax.numpy.asarray(b["kv_lens"]), jax.numpy.asarray(b["cu"]), jax.numpy.asarray(b["ns"]),
-        block_q=bq, num_q_blocks=nqb, page_size=PS, pages_per_block=ppb, sliding_window=window,
-        causal=True, max_items=max_items)
+        jax.numpy.asarray(b["kv_lens"]),
+        jax.numpy.asarray(b["cu"]),
+        jax.numpy.asarray(b["ns"]),
+        block_q=bq,
+        num_q_blocks=nqb,
+        page_size=PS,
+        pages_per_block=ppb,
+        sliding_window=window,
+        causal=True,
+        max_items=max_items,
+    )
     work = np.asarray(work)
-    host = tiling.work_list_numpy(q_lens, kv_lens, block_q=bq, num_q_blocks=nqb, page_size=PS,
-                                  pages_per_block=ppb, sliding_window=window, causal=True)
+    host = PA.schedule.host_work_list(
+        q_lens,
+        kv_lens,
+        block_q=bq,
+        num_q_blocks=nqb,
+        page_size=PS,
+        pages_per_block=ppb,
+        sliding_window=window,
+        causal=True,
+    )
     assert int(total) == len(host) <= max_items
     assert [tuple(int(x) for x in work[:, i]) for i in range(len(host))] == host
-    assert (work[3, len(host):] == 0).all()
+    assert (work[3, len(host) :] == 0).all()
     for qb, s, first, npages in host:
         if s < 0:
             continue
@@ -177,15 +249,21 @@ def test_write_kv_bit_exact(batch):
     b = make_batch(rng, q_lens, kv_lens)
     new = rng.standard_normal((T, 2 * HKV, D)).astype(np.float32)
     want = reference.write_kv_ref(b["kv"], new, b["kv_lens"], b["pt"], b["cu"], b["ns"])
-    got = np.asarray(jax.jit(kernel.write_kv)(b["kv"], new, b["kv_lens"], b["pt"], b["cu"], b["ns"]))
+    got = np.asarray(
+        jax.jit(kernel.write_kv)(b["kv"], new, b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    )
     assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
 
 
 def _shapes(seqs, pages, tokens):
-    return (jax.ShapeDtypeStruct((tokens, 4, 128), np.float32),
-            jax.ShapeDtypeStruct((8, 4, 16, 128), np.float32),
-            jax.ShapeDtypeStruct((seqs,), np.int32), jax.ShapeDtypeStruct((seqs, pages), np.int32),
-            jax.ShapeDtypeStruct((seqs + 1,), np.int32), jax.ShapeDtypeStruct((1,), np.int32))
+    return (
+        jax.ShapeDtypeStruct((tokens, 4, 128), np.float32),
+        jax.ShapeDtypeStruct((8, 4, 16, 128), np.float32),
+        jax.ShapeDtypeStruct((seqs,), np.int32),
+        jax.ShapeDtypeStruct((seqs, pages), np.int32),
+        jax.ShapeDtypeStruct((seqs + 1,), np.int32),
+        jax.ShapeDtypeStruct((1,), np.int32),
+    )
 
 
 def test_smem_bound():
@@ -203,65 +281,80 @@ def test_smem_bound():
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def dma_log(monkeypatch):
-    """Every DMA the TPU interpreter executes: (bytes, src memory space, dst memory space)."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-    log = []
-    orig = ipc.DMA.execute_read
-
-    def execute_read(self):
-        orig(self)
-        if self.data is not None:
-            log.append((self.data_size, self.src_memory_space, self.dst_memory_space))
-
-    monkeypatch.setattr(ipc.DMA, "execute_read", execute_read)
-    yield log
-    from jax.experimental.pallas import tpu as pltpu
-
-    pltpu.reset_tpu_interpret_mode_state()
-
-
-def _races_found():
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-    return bool(ipc.races is not None and ipc.races.races_found)
-
-
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [
-    dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, separate=False, stream=False),
-    dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, separate=True, stream=False),
-    dict(q_lens=[1, 5, 1], kv_lens=[9, 40, 31], window=None, separate=False, stream=True),
-], ids=["mixed", "window_separate", "streamed_page_table"])
-def test_tpu_interpret(case, dma_log):
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, separate=False, stream=False),
+        dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, separate=True, stream=False),
+        dict(q_lens=[1, 5, 1], kv_lens=[9, 40, 31], window=None, separate=False, stream=True),
+    ],
+    ids=["mixed", "window_separate", "streamed_page_table"],
+)
+def test_tpu_interpret(case):
     """Races, NaN-filled uninitialised VMEM and out-of-bounds reads raise or show; the output
     matches; the manual DMAs move exactly the pages tiling.traffic predicts."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    pltpu.reset_tpu_interpret_mode_state()
     slots, pages, tokens, hq, hkv = 3, 3, 8, 2, 1
-    b = make_batch(np.random.default_rng(7), case["q_lens"], case["kv_lens"], num_slots=slots,
-                   pages_per_seq=pages, tokens=tokens, hq=hq, hkv=hkv, separate=case["separate"])
-    cfg = tiling.PagedAttentionConfig(pages_per_block=1, stream_page_table=case["stream"],
-                                      block_q=4 if case["stream"] else None)
-    f = jax.jit(functools.partial(kernel.ragged_paged_attention, config=cfg,
-                                  sliding_window=case["window"], interpret=tpu_interpret_params()))
-    out = np.asarray(f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"]))
-    assert not _races_found()
-    ref = reference.ragged_paged_attention_ref(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"],
-                                               b["ns"], v_pages=b["v"], sliding_window=case["window"])
+    b = make_batch(
+        np.random.default_rng(7),
+        case["q_lens"],
+        case["kv_lens"],
+        num_slots=slots,
+        pages_per_seq=pages,
+        tokens=tokens,
+        hq=hq,
+        hkv=hkv,
+        separate=case["separate"],
+    )
+    cfg = tiling.PagedAttentionConfig(
+        pages_per_block=1, stream_page_table=case["stream"], block_q=4 if case["stream"] else None
+    )
+    f = jax.jit(
+        functools.partial(
+            kernel.ragged_paged_attention,
+            config=cfg,
+            sliding_window=case["window"],
+            interpret=tpu_interpret_params(),
+        )
+    )
+    with (
+        tpu_interpreter.race_checked(),
+        tpu_interpreter.count_traffic(tpu_interpret_params()) as counted,
+    ):
+        out = np.asarray(
+            f(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], v_pages=b["v"])
+        )
+    ref = reference.ragged_paged_attention_ref(
+        b["q"],
+        b["kv"],
+        b["kv_lens"],
+        b["pt"],
+        b["cu"],
+        b["ns"],
+        v_pages=b["v"],
+        sliding_window=case["window"],
+    )
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
-    t = tiling.traffic(q_lens=case["q_lens"], kv_lens=case["kv_lens"], num_q_heads=hq,
-                       num_kv_heads=hkv, head_dim=D, page_size=PS, pages_per_seq=pages,
-                       max_num_seqs=slots, num_tokens=tokens, q_dtype="float32",
-                       kv_dtype="float32", sliding_window=case["window"],
-                       separate_kv=case["separate"], config=cfg)
+    t = tiling.traffic(
+        q_lens=case["q_lens"],
+        kv_lens=case["kv_lens"],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=D,
+        page_size=PS,
+        pages_per_seq=pages,
+        max_num_seqs=slots,
+        num_tokens=tokens,
+        q_dtype="float32",
+        kv_dtype="float32",
+        sliding_window=case["window"],
+        separate_kv=case["separate"],
+        config=cfg,
+    )
     assert t["stream_page_table"] == case["stream"]
-    assert len(dma_log) == t["kv_dmas"] + t["pt_dmas"]
-    assert sum(n for n, _, _ in dma_log) == t["kv_dma_bytes"] + t["pt_dma_bytes"]
+    assert counted.dma_count == t["kv_dmas"] + t["pt_dmas"]
+    assert counted.dma_bytes == t["kv_dma_bytes"] + t["pt_dma_bytes"]
 
 
 @pytest.mark.tpu_interpret
@@ -272,8 +365,9 @@ def test_tpu_interpret_out_of_bounds_page_raises():
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
-    b = make_batch(np.random.default_rng(3), [2], [20], num_slots=1, pages_per_seq=2, tokens=8,
-                   hq=2, hkv=1)
+    b = make_batch(
+        np.random.default_rng(3), [2], [20], num_slots=1, pages_per_seq=2, tokens=8, hq=2, hkv=1
+    )
     b["pt"][0, 1] = b["kv"].shape[0] + 5
     f = jax.jit(functools.partial(kernel.ragged_paged_attention, interpret=tpu_interpret_params()))
     try:
@@ -288,8 +382,20 @@ def test_tpu_interpret_out_of_bounds_page_raises():
 # -------------------------------------------------------------------------------------------------
 
 
-def make_token_major(rng, q_lens, kv_lens, *, dtype=np.float32, num_slots=S, pages_per_seq=P,
-                     page_size=PS, tokens=T, hq=HQ, hkv=HKV, d=D):
+def make_token_major(
+    rng,
+    q_lens,
+    kv_lens,
+    *,
+    dtype=np.float32,
+    num_slots=S,
+    pages_per_seq=P,
+    page_size=PS,
+    tokens=T,
+    hq=HQ,
+    hkv=HKV,
+    d=D,
+):
     """Token-major K and V caches holding every sequence's past keys (kv_len - q_len of them);
     every other slot, the new tokens' slots included, is NaN (a missed write or a read of a
     foreign slot shows). Also the new tokens' K/V [tokens, Hkv, D]."""
@@ -303,23 +409,37 @@ def make_token_major(rng, q_lens, kv_lens, *, dtype=np.float32, num_slots=S, pag
             kc[pt[s, pos // page_size], pos % page_size] = rng.standard_normal((hkv, d))
             vc[pt[s, pos // page_size], pos % page_size] = rng.standard_normal((hkv, d))
     cu = np.zeros(num_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
     kl = np.zeros(num_slots, np.int32)
     kl[:n] = kv_lens
     cast = lambda x: np.asarray(jax.numpy.asarray(x).astype(dtype))  # noqa: E731
-    return dict(q=cast(rng.standard_normal((tokens, hq, d))), k=cast(kc), v=cast(vc),
-                new_k=cast(rng.standard_normal((tokens, hkv, d))),
-                new_v=cast(rng.standard_normal((tokens, hkv, d))),
-                kv_lens=kl, pt=pt.astype(np.int32), cu=cu, ns=np.array([n], np.int32))
+    return dict(
+        q=cast(rng.standard_normal((tokens, hq, d))),
+        k=cast(kc),
+        v=cast(vc),
+        new_k=cast(rng.standard_normal((tokens, hkv, d))),
+        new_v=cast(rng.standard_normal((tokens, hkv, d))),
+        kv_lens=kl,
+        pt=pt.astype(np.int32),
+        cu=cu,
+        ns=np.array([n], np.int32),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted_tm(sliding_window=None, soft_cap=None, config=None, interpret=True):
     # The caches are donated: the writer's outputs alias them (in place on TPU).
-    return jax.jit(functools.partial(kernel.paged_attention_token_major,
-                                     sliding_window=sliding_window, soft_cap=soft_cap,
-                                     config=config, interpret=interpret), donate_argnums=(1, 2))
+    return jax.jit(
+        functools.partial(
+            kernel.paged_attention_token_major,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            config=config,
+            interpret=interpret,
+        ),
+        donate_argnums=(1, 2),
+    )
 
 
 def _bits(x):
@@ -327,31 +447,52 @@ def _bits(x):
     return x.view(np.uint8).tobytes()
 
 
-def run_token_major(b, *, sliding_window=None, soft_cap=None, config=None, interpret=True,
-                    tol=2e-5):
+def run_token_major(
+    b, *, sliding_window=None, soft_cap=None, config=None, interpret=True, tol=2e-5
+):
     """Write + attention in one call; the caches must equal the reference write bit for bit and
     the output the f32 reference over the written caches."""
-    want_k = reference.write_kv_token_major_ref(b["k"], b["new_k"], b["kv_lens"], b["pt"], b["cu"],
-                                                b["ns"])
-    want_v = reference.write_kv_token_major_ref(b["v"], b["new_v"], b["kv_lens"], b["pt"], b["cu"],
-                                                b["ns"])
+    want_k = reference.write_kv_token_major_ref(
+        b["k"], b["new_k"], b["kv_lens"], b["pt"], b["cu"], b["ns"]
+    )
+    want_v = reference.write_kv_token_major_ref(
+        b["v"], b["new_v"], b["kv_lens"], b["pt"], b["cu"], b["ns"]
+    )
     f = jitted_tm(sliding_window, soft_cap, config, interpret)
-    out, k2, v2 = f(b["q"], jax.numpy.asarray(b["k"]), jax.numpy.asarray(b["v"]), b["kv_lens"],
-                    b["pt"], b["cu"], b["ns"], new_k=b["new_k"], new_v=b["new_v"])
+    out, k2, v2 = f(
+        b["q"],
+        jax.numpy.asarray(b["k"]),
+        jax.numpy.asarray(b["v"]),
+        b["kv_lens"],
+        b["pt"],
+        b["cu"],
+        b["ns"],
+        new_k=b["new_k"],
+        new_v=b["new_v"],
+    )
     assert _bits(k2) == _bits(want_k) and _bits(v2) == _bits(want_v)
     out = np.asarray(out.astype(np.float32))
     ref = reference.paged_attention_token_major_ref(
-        b["q"], want_k, want_v, b["kv_lens"], b["pt"], b["cu"], b["ns"],
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        b["q"],
+        want_k,
+        want_v,
+        b["kv_lens"],
+        b["pt"],
+        b["cu"],
+        b["ns"],
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
-    assert not out[int(b["cu"][-1]):].any()
+    assert not out[int(b["cu"][-1]) :].any()
     return out
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=20, soft_cap=30.0)],
-                         ids=["plain", "window_softcap"])
+@pytest.mark.parametrize(
+    "opts", [dict(), dict(sliding_window=20, soft_cap=30.0)], ids=["plain", "window_softcap"]
+)
 @settings(max_examples=6)
 @given(data=st.data())
 def test_token_major_matches_reference(kind, opts, data):
@@ -366,68 +507,93 @@ def test_token_major_matches_reference(kind, opts, data):
 def test_token_major_small_tiles_streamed_page_table(batch):
     q_lens, kv_lens, seed = batch
     cfg = tiling.PagedAttentionConfig(block_q=4, pages_per_block=2, stream_page_table=True)
-    run_token_major(make_token_major(np.random.default_rng(seed), q_lens, kv_lens), config=cfg,
-                    sliding_window=24)
+    run_token_major(
+        make_token_major(np.random.default_rng(seed), q_lens, kv_lens),
+        config=cfg,
+        sliding_window=24,
+    )
 
 
 @pytest.mark.parametrize("hkv", [1, 2, 4])
 def test_token_major_bf16_head_unpacking(hkv):
     """bf16 pages are read as uint32 words holding two heads of one token (plain interpret mode runs
     the same unpacking as Mosaic): every head count the kernel accepts, against the reference."""
-    b = make_token_major(np.random.default_rng(hkv), [5, 1, 16], [40, 64, 16],
-                         dtype=jax.numpy.bfloat16, hkv=hkv, hq=2 * hkv)
+    b = make_token_major(
+        np.random.default_rng(hkv),
+        [5, 1, 16],
+        [40, 64, 16],
+        dtype=jax.numpy.bfloat16,
+        hkv=hkv,
+        hq=2 * hkv,
+    )
     run_token_major(b, soft_cap=20.0, tol=3e-2)
 
 
 def test_token_major_rejects_unpackable_heads():
-    b = make_token_major(np.random.default_rng(0), [1], [3], dtype=jax.numpy.bfloat16, hkv=3,
-                         hq=3)
+    b = make_token_major(np.random.default_rng(0), [1], [3], dtype=jax.numpy.bfloat16, hkv=3, hq=3)
     with pytest.raises(ValueError, match="even number of KV heads"):
-        kernel.paged_attention_token_major(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"],
-                                           b["ns"], interpret=True)
+        kernel.paged_attention_token_major(
+            b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], interpret=True
+        )
 
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [
-    dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, stream=False, dtype="float32"),
-    dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, stream=True, dtype="bfloat16"),
-], ids=["mixed_f32", "window_streamed_bf16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, stream=False, dtype="float32"),
+        dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, stream=True, dtype="bfloat16"),
+    ],
+    ids=["mixed_f32", "window_streamed_bf16"],
+)
 def test_token_major_tpu_interpret(case):
     """TPU interpret mode (races, NaN-filled VMEM, raising out-of-bounds reads) over the whole call,
-    cache write included, counted by benchmarks/dma_counter: DMA count and bytes, BlockSpec bytes
-    and scalar-prefetch bytes equal tiling.traffic / estimate_cost exactly; the cache bytes moved
-    are only the pages read and the new rows written."""
-    import sys
-    from pathlib import Path
-
-    from jax.experimental.pallas import tpu as pltpu
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import dma_counter
-
-    pltpu.reset_tpu_interpret_mode_state()
+    cache write included, counted by tpu_interpreter.count_traffic: DMA count and bytes, BlockSpec
+    bytes and scalar-prefetch bytes equal tiling.traffic / estimate_cost exactly; the cache bytes
+    moved are only the pages read and the new rows written."""
     slots, pages, tokens, hq, hkv = 3, 3, 8, 4, 2
     dtype = np.dtype(case["dtype"]) if case["dtype"] == "float32" else jax.numpy.bfloat16
-    b = make_token_major(np.random.default_rng(7), case["q_lens"], case["kv_lens"],
-                         num_slots=slots, pages_per_seq=pages, tokens=tokens, hq=hq, hkv=hkv,
-                         dtype=dtype)
-    cfg = tiling.PagedAttentionConfig(pages_per_block=1, stream_page_table=case["stream"],
-                                      block_q=4 if case["stream"] else None)
-    params = dma_counter.interpret_params(detect_races=True, dma_execution_mode="on_wait")
-    try:
-        with dma_counter.count_traffic(params) as t:
-            run_token_major(b, sliding_window=case["window"], config=cfg, interpret=False,
-                            tol=2e-5 if case["dtype"] == "float32" else 3e-2)
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-        assert not (ipc.races is not None and ipc.races.races_found)
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
-    kw = dict(q_lens=case["q_lens"], kv_lens=case["kv_lens"], num_q_heads=hq, num_kv_heads=hkv,
-              head_dim=D, page_size=PS, pages_per_seq=pages, max_num_seqs=slots,
-              num_tokens=tokens, q_dtype=case["dtype"], kv_dtype=case["dtype"],
-              sliding_window=case["window"], token_major=True, write_new_kv=True, config=cfg)
+    b = make_token_major(
+        np.random.default_rng(7),
+        case["q_lens"],
+        case["kv_lens"],
+        num_slots=slots,
+        pages_per_seq=pages,
+        tokens=tokens,
+        hq=hq,
+        hkv=hkv,
+        dtype=dtype,
+    )
+    cfg = tiling.PagedAttentionConfig(
+        pages_per_block=1, stream_page_table=case["stream"], block_q=4 if case["stream"] else None
+    )
+    params = tpu_interpreter.counting_params(detect_races=True, dma_execution_mode="on_wait")
+    with tpu_interpreter.race_checked(), tpu_interpreter.count_traffic(params) as t:
+        run_token_major(
+            b,
+            sliding_window=case["window"],
+            config=cfg,
+            interpret=False,
+            tol=2e-5 if case["dtype"] == "float32" else 3e-2,
+        )
+    kw = dict(
+        q_lens=case["q_lens"],
+        kv_lens=case["kv_lens"],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=D,
+        page_size=PS,
+        pages_per_seq=pages,
+        max_num_seqs=slots,
+        num_tokens=tokens,
+        q_dtype=case["dtype"],
+        kv_dtype=case["dtype"],
+        sliding_window=case["window"],
+        token_major=True,
+        write_new_kv=True,
+        config=cfg,
+    )
     tr = tiling.traffic(**kw)
     assert t.calls == 2  # the writer and the attention kernel
     assert t.dma_count == tr["kv_dmas"] + tr["pt_dmas"] + tr["write_dmas"]
@@ -450,8 +616,19 @@ QUANT_TOL = {"int8": 0.02, "fp8": 0.08}
 QUANT_KERNEL_TOL = 0.01
 
 
-def make_quantised(rng, q_lens, kv_lens, qdtype, *, hkv=4, hq=8, tokens=16, num_slots=3,
-                   pages_per_seq=2, head_scales=True):
+def make_quantised(
+    rng,
+    q_lens,
+    kv_lens,
+    qdtype,
+    *,
+    hkv=4,
+    hq=8,
+    tokens=16,
+    num_slots=3,
+    pages_per_seq=2,
+    head_scales=True,
+):
     """Token-major K/V of standard-normal values quantised per token and head (symmetric, absmax),
     the per-token scales [nb, Hkv, bs], per-head static scales, the unquantised values and sinks."""
     n = len(q_lens)
@@ -468,23 +645,50 @@ def make_quantised(rng, q_lens, kv_lens, qdtype, *, hkv=4, hq=8, tokens=16, num_
     hs = (rng.uniform(0.5, 2.0, (2, hkv)) if head_scales else np.ones((2, hkv))).astype(np.float32)
     pt = rng.permutation(nb)[: num_slots * pages_per_seq].reshape(num_slots, pages_per_seq)
     cu = np.zeros(num_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
     kl = np.zeros(num_slots, np.int32)
     kl[:n] = kv_lens
-    q = np.asarray(jax.numpy.asarray(rng.standard_normal((tokens, hq, D))).astype(
-        jax.numpy.bfloat16))
-    return dict(q=q, k=kq, v=vq, k_scale=tsc[0], v_scale=tsc[1], k_head=hs[0], v_head=hs[1],
-                x=x, kv_lens=kl, pt=pt.astype(np.int32), cu=cu, ns=np.array([n], np.int32),
-                sinks=rng.standard_normal(hq).astype(np.float32))
+    q = np.asarray(
+        jax.numpy.asarray(rng.standard_normal((tokens, hq, D))).astype(jax.numpy.bfloat16)
+    )
+    return dict(
+        q=q,
+        k=kq,
+        v=vq,
+        k_scale=tsc[0],
+        v_scale=tsc[1],
+        k_head=hs[0],
+        v_head=hs[1],
+        x=x,
+        kv_lens=kl,
+        pt=pt.astype(np.int32),
+        cu=cu,
+        ns=np.array([n], np.int32),
+        sinks=rng.standard_normal(hq).astype(np.float32),
+    )
 
 
 def _check_quantised(b, qdtype, interpret, *, sliding_window=None):
-    f = jax.jit(functools.partial(kernel.paged_attention_token_major, interpret=interpret,
-                                  sliding_window=sliding_window))
-    out = f(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], k_scale=b["k_scale"],
-            v_scale=b["v_scale"], k_head_scale=b["k_head"], v_head_scale=b["v_head"],
-            sinks=b["sinks"])
+    f = jax.jit(
+        functools.partial(
+            kernel.paged_attention_token_major, interpret=interpret, sliding_window=sliding_window
+        )
+    )
+    out = f(
+        b["q"],
+        b["k"],
+        b["v"],
+        b["kv_lens"],
+        b["pt"],
+        b["cu"],
+        b["ns"],
+        k_scale=b["k_scale"],
+        v_scale=b["v_scale"],
+        k_head_scale=b["k_head"],
+        v_head_scale=b["v_head"],
+        sinks=b["sinks"],
+    )
     assert out.dtype == jax.numpy.bfloat16
     out = np.asarray(out.astype(np.float32))
     live = int(b["cu"][-1])
@@ -493,8 +697,10 @@ def _check_quantised(b, qdtype, interpret, *, sliding_window=None):
     q32 = b["q"].astype(np.float32)
     deq = [reference.dequantize_token_major(b[n], b[n + "_scale"], b[n + "_head"]) for n in "kv"]
     ref_deq = reference.paged_attention_token_major_ref(q32, *deq, *args, **kw)
-    raw = [reference.dequantize_token_major(b["x"][i], None, b[n + "_head"])
-           for i, n in enumerate("kv")]
+    raw = [
+        reference.dequantize_token_major(b["x"][i], None, b[n + "_head"])
+        for i, n in enumerate("kv")
+    ]
     ref_raw = reference.paged_attention_token_major_ref(q32, *raw, *args, **kw)
     scale = np.abs(ref_raw[:live]).max()
     assert np.isfinite(out).all() and not out[live:].any()
@@ -524,38 +730,38 @@ def test_quantised_tpu_interpret_and_bytes(qdtype):
     """TPU interpret mode (races, NaN VMEM, OOB) on 8-bit pages with per-token scales; the DMA
     counter's bytes equal the closed form, and the KV bytes of the call are half of the same
     batch's bf16 call (the scales add Hkv * 4 bytes per token and cache: +3% at D = 128)."""
-    import sys
-    from pathlib import Path
-
-    from jax.experimental.pallas import tpu as pltpu
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import dma_counter
-
-    pltpu.reset_tpu_interpret_mode_state()
     q_lens, kv_lens = [1, 3], [200, 77]
     b = make_quantised(np.random.default_rng(5), q_lens, kv_lens, qdtype, tokens=8, num_slots=2)
-    params = dma_counter.interpret_params(detect_races=True, dma_execution_mode="on_wait")
-    try:
-        with dma_counter.count_traffic(params) as t:
-            _check_quantised(b, qdtype, False)
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-        assert not (ipc.races is not None and ipc.races.races_found)
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
-    kw = dict(q_lens=q_lens, kv_lens=kv_lens, num_q_heads=8, num_kv_heads=4, head_dim=D,
-              page_size=QPS, pages_per_seq=2, max_num_seqs=2, num_tokens=8, q_dtype="bfloat16",
-              token_major=True)
+    params = tpu_interpreter.counting_params(detect_races=True, dma_execution_mode="on_wait")
+    with tpu_interpreter.race_checked(), tpu_interpreter.count_traffic(params) as t:
+        _check_quantised(b, qdtype, False)
+    kw = dict(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=D,
+        page_size=QPS,
+        pages_per_seq=2,
+        max_num_seqs=2,
+        num_tokens=8,
+        q_dtype="bfloat16",
+        token_major=True,
+    )
     kv_dtype = "int8" if qdtype == "int8" else jax.numpy.float8_e4m3fn
     tr = tiling.traffic(kv_dtype=kv_dtype, token_scales=True, sinks=True, head_scales=True, **kw)
     bf16 = tiling.traffic(kv_dtype="bfloat16", **kw)
     assert t.dma_count == tr["kv_dmas"] + tr["scale_dmas"]
     assert t.dma_bytes == tr["kv_dma_bytes"] + tr["scale_dma_bytes"]
     assert t.blockspec_read_bytes + t.blockspec_write_bytes == (
-        tr["qo_block_bytes"] + tr["sink_bytes"] + tr["head_scale_bytes"])
-    assert t.hbm_bytes + t.prefetch_bytes == tiling.estimate_cost(
-        kv_dtype=kv_dtype, token_scales=True, sinks=True, head_scales=True, **kw).hbm_bytes
+        tr["qo_block_bytes"] + tr["sink_bytes"] + tr["head_scale_bytes"]
+    )
+    assert (
+        t.hbm_bytes + t.prefetch_bytes
+        == tiling.estimate_cost(
+            kv_dtype=kv_dtype, token_scales=True, sinks=True, head_scales=True, **kw
+        ).hbm_bytes
+    )
     assert tr["kv_dma_bytes"] * 2 == bf16["kv_dma_bytes"]
     assert tr["kv_dma_bytes"] + tr["scale_dma_bytes"] <= 0.55 * bf16["kv_dma_bytes"]
 
@@ -565,33 +771,49 @@ def test_sinks_head_major_and_bf16_token_major():
     rng = np.random.default_rng(2)
     sinks = rng.standard_normal(HQ).astype(np.float32) * 2
     b = make_batch(rng, [3, 1, 7], [33, 1, 7])
-    out = np.asarray(kernel.ragged_paged_attention(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"],
-                                                   b["ns"], sinks=sinks, interpret=True))
-    ref = reference.ragged_paged_attention_ref(b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"],
-                                               b["ns"], sinks=sinks)
+    out = np.asarray(
+        kernel.ragged_paged_attention(
+            b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], sinks=sinks, interpret=True
+        )
+    )
+    ref = reference.ragged_paged_attention_ref(
+        b["q"], b["kv"], b["kv_lens"], b["pt"], b["cu"], b["ns"], sinks=sinks
+    )
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
     t = make_token_major(rng, [3, 1], [33, 17], dtype=jax.numpy.bfloat16)
-    out = kernel.paged_attention_token_major(t["q"], t["k"], t["v"], t["kv_lens"], t["pt"], t["cu"],
-                                             t["ns"], sinks=sinks, interpret=True)
-    ref = reference.paged_attention_token_major_ref(t["q"], t["k"], t["v"], t["kv_lens"], t["pt"],
-                                                    t["cu"], t["ns"], sinks=sinks)
+    out = kernel.paged_attention_token_major(
+        t["q"], t["k"], t["v"], t["kv_lens"], t["pt"], t["cu"], t["ns"], sinks=sinks, interpret=True
+    )
+    ref = reference.paged_attention_token_major_ref(
+        t["q"], t["k"], t["v"], t["kv_lens"], t["pt"], t["cu"], t["ns"], sinks=sinks
+    )
     live = int(t["cu"][-1])
-    np.testing.assert_allclose(np.asarray(out.astype(np.float32))[:live], ref[:live], atol=3e-2,
-                               rtol=3e-2)
+    np.testing.assert_allclose(
+        np.asarray(out.astype(np.float32))[:live], ref[:live], atol=3e-2, rtol=3e-2
+    )
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(k_scale=np.ones((8, 4, QPS - 1), np.float32)), r"k_scale: expected shape"),
-    (dict(k_head_scale=np.ones(3, np.float32)), r"k_head_scale: expected shape \(4,\)"),
-    (dict(sinks=np.ones(3, np.float32)), r"sinks: expected shape \(8,\)"),
-    (dict(k_scale=None), "together"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(k_scale=np.ones((8, 4, QPS - 1), np.float32)), r"k_scale: expected shape"),
+        (dict(k_head_scale=np.ones(3, np.float32)), r"k_head_scale: expected shape \(4,\)"),
+        (dict(sinks=np.ones(3, np.float32)), r"sinks: expected shape \(8,\)"),
+        (dict(k_scale=None), "together"),
+    ],
+)
 def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch):
     b = make_quantised(np.random.default_rng(0), [1], [3], "int8", num_slots=1, pages_per_seq=1)
-    kw = dict(k_scale=b["k_scale"], v_scale=b["v_scale"], k_head_scale=b["k_head"],
-              v_head_scale=b["v_head"], sinks=b["sinks"])
+    kw = dict(
+        k_scale=b["k_scale"],
+        v_scale=b["v_scale"],
+        k_head_scale=b["k_head"],
+        v_head_scale=b["v_head"],
+        sinks=b["sinks"],
+    )
     kw.update(bad)
     monkeypatch.setattr(kernel.pl, "pallas_call", lambda *a, **k: pytest.fail("kernel ran"))
     with pytest.raises(ValueError, match=match):
-        kernel.paged_attention_token_major(b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"],
-                                           b["ns"], interpret=True, **kw)
+        kernel.paged_attention_token_major(
+            b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], interpret=True, **kw
+        )

@@ -4,14 +4,15 @@ Qwen3-30B-A3B experts (hidden 2048, expert intermediate 768, 128 experts, top-8)
 tokens, Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, top-2) at 4096 tokens: for each
 projection the forward gmm (weights as Transformers stores them, [E, out, in]), dlhs (the same
 weights read with the other layout flag) and tgmm, in bf16 with the default tiling of the
-generation; plus the quantised forward (int8 on v5e / v6e, float8_e4m3fn on TPU7x).
+generation; plus the quantised forward (int8 on v5e / v6e, float8_e4m3fn on TPU7x). In CI every
+kernel compiles on every generation at some production shape and every (model, projection) on some
+generation (tpu_compile.generation_per_case); HYPOTHESIS_PROFILE=sweep compiles the whole matrix.
 """
 
 import functools
 
-import pytest
-
 import jax.numpy as jnp
+import pytest
 
 import kernel_loader
 import tpu_compile
@@ -40,21 +41,42 @@ def _compile_gmm(gen, m, k, n, g, *, transpose_rhs, rhs_dtype=BF16, quantised=Fa
     return tpu_compile.compile_for(gen, fn, *args)
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("projection", [0, 1], ids=["gate_up", "down"])
-def test_compiles_forward_dlhs_tgmm(generation, model, projection):
+# The forward at Qwen3-30B-A3B 4096 tokens on every generation, the other (model, projection)
+# cases on one generation each in CI (every generation for every case in the long form).
+@pytest.mark.parametrize(
+    "generation,model,projection",
+    [(g, "qwen3_30b_a3b_4096tok", p) for g in tpu_compile.TESTED_GENERATIONS for p in (0, 1)]
+    + tpu_compile.generation_per_case(
+        [(m, p) for m in MODELS if m != "qwen3_30b_a3b_4096tok" for p in (0, 1)]
+    ),
+)
+def test_compiles_forward(generation, model, projection):
+    tokens, experts, top_k, projections = MODELS[model]
+    k, n = projections[projection]
+    # Forward: out = x @ W^T with W stored [E, N, K] (transpose_rhs=True).
+    assert _compile_gmm(generation, tokens * top_k, k, n, experts, transpose_rhs=True) is not None
+
+
+# The two backward kernels at every (model, projection), each case on one generation in CI
+# (every generation gets two: tpu_compile.generation_per_case); all of them in the long form.
+@pytest.mark.parametrize(
+    "generation,model,projection",
+    tpu_compile.generation_per_case([(m, p) for m in MODELS for p in (0, 1)]),
+)
+def test_compiles_dlhs_and_tgmm(generation, model, projection):
     tokens, experts, top_k, projections = MODELS[model]
     m = tokens * top_k
     k, n = projections[projection]
-    # Forward: out = x @ W^T with W stored [E, N, K] (transpose_rhs=True).
-    assert _compile_gmm(generation, m, k, n, experts, transpose_rhs=True) is not None
     # dlhs: dx = dout @ W with the same [E, N, K] array (transpose_rhs=False, K and N swap roles).
     assert _compile_gmm(generation, m, n, k, experts, transpose_rhs=False) is not None
     # Weight gradient [E, N, K] = tgmm(dout, x).
     fn = functools.partial(K.tgmm, generation=generation)
-    assert tpu_compile.compile_for(generation, fn, ((m, n), BF16), ((m, k), BF16),
-                                   ((experts,), jnp.int32)) is not None
+    assert (
+        tpu_compile.compile_for(
+            generation, fn, ((m, n), BF16), ((m, k), BF16), ((experts,), jnp.int32)
+        )
+        is not None
+    )
 
 
 @pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
@@ -63,8 +85,19 @@ def test_compiles_quantised_forward(generation, model):
     tokens, experts, top_k, projections = MODELS[model]
     qdtype = jnp.float8_e4m3fn if generation == "tpu7x" else jnp.int8
     k, n = projections[0]
-    assert _compile_gmm(generation, tokens * top_k, k, n, experts, transpose_rhs=True,
-                        rhs_dtype=qdtype, quantised=True) is not None
+    assert (
+        _compile_gmm(
+            generation,
+            tokens * top_k,
+            k,
+            n,
+            experts,
+            transpose_rhs=True,
+            rhs_dtype=qdtype,
+            quantised=True,
+        )
+        is not None
+    )
 
 
 # The gated gate_up gmm (activation fused in the epilogue) at production shapes:
@@ -73,8 +106,16 @@ def test_compiles_quantised_forward(generation, model):
 # [E, H, 2I], biases, clamped SwiGLU; I is not a multiple of the output tile).
 GATED = {
     "qwen3_30b_a3b_4096tok_silu": (4096 * 8, 2048, 768, 128, "silu", "concatenated", True, False),
-    "gpt_oss_120b_4096tok_swiglu": (4096 * 4, 2880, 2880, 128, "gpt_oss_swiglu", "interleaved",
-                                    False, True),
+    "gpt_oss_120b_4096tok_swiglu": (
+        4096 * 4,
+        2880,
+        2880,
+        128,
+        "gpt_oss_swiglu",
+        "interleaved",
+        False,
+        True,
+    ),
 }
 
 
@@ -83,8 +124,13 @@ GATED = {
 def test_compiles_gated_gate_up(generation, model):
     m, k, i, experts, act, layout, transpose_rhs, with_bias = GATED[model]
     rhs_shape = (experts, 2 * i, k) if transpose_rhs else (experts, k, 2 * i)
-    fn = functools.partial(K.gmm_gated, activation=act, layout=layout,
-                           transpose_rhs=transpose_rhs, generation=generation)
+    fn = functools.partial(
+        K.gmm_gated,
+        activation=act,
+        layout=layout,
+        transpose_rhs=transpose_rhs,
+        generation=generation,
+    )
     args = [((m, k), BF16), (rhs_shape, BF16), ((experts,), jnp.int32)]
     if with_bias:
         args.append(((experts, 2 * i), BF16))

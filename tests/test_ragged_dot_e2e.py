@@ -29,20 +29,38 @@ def hub_kernel(monkeypatch):
 
 def _qwen3_moe(dtype=torch.float32, seed=0, moe_intermediate_size=48):
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
         moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=3, decoder_sparse_step=1, norm_topk_prob=True,
-        max_position_embeddings=64, tie_word_embeddings=False)
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=3,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return transformers.Qwen3MoeForCausalLM(cfg).to(dtype).eval()
 
 
 def _mixtral(dtype=torch.float32, seed=0):
     cfg = transformers.MixtralConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return transformers.MixtralForCausalLM(cfg).to(dtype).eval()
 
@@ -52,10 +70,19 @@ def _gpt_oss(dtype=torch.float32, seed=0):
     Weights and biases are scaled up from the (tiny, zero-bias) init so that the pre-activations
     cross the +-7 clamp and the biases matter."""
     cfg = transformers.GptOssConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"])
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(cfg)
     with torch.no_grad():
@@ -126,8 +153,9 @@ def test_training_step_gradients_match(hub_kernel):
     assert grads["eager"].keys() == grads[NAME].keys()
     assert any("gate_up_proj" in n for n in grads[NAME])
     for name, g in grads["eager"].items():
-        torch.testing.assert_close(grads[NAME][name], g, rtol=1e-4,
-                                   atol=1e-5 * max(g.abs().max().item(), 1e-6), msg=name)
+        torch.testing.assert_close(
+            grads[NAME][name], g, rtol=1e-4, atol=1e-5 * max(g.abs().max().item(), 1e-6), msg=name
+        )
 
 
 def test_expert_parallel_placeholder_ids(hub_kernel):
@@ -148,8 +176,9 @@ def test_expert_parallel_placeholder_ids(hub_kernel):
     ours = hub_kernel.experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-5)
     # All picks placeholders: exactly zero.
-    none = hub_kernel.experts_forward(experts, hidden, torch.full_like(index, 8),
-                                      torch.zeros_like(weights))
+    none = hub_kernel.experts_forward(
+        experts, hidden, torch.full_like(index, 8), torch.zeros_like(weights)
+    )
     assert torch.all(none == 0)
 
 
@@ -166,10 +195,14 @@ def _count_calls(monkeypatch, ops):
     return calls
 
 
-@pytest.mark.parametrize("build,activation", [
-    (lambda dt: _qwen3_moe(dt, moe_intermediate_size=128), ("silu", "concatenated")),
-    (_gpt_oss, ("gpt_oss_swiglu", "interleaved")),
-], ids=["qwen3_moe_fused_silu", "gpt_oss_fused_swiglu"])
+@pytest.mark.parametrize(
+    "build,activation",
+    [
+        (lambda dt: _qwen3_moe(dt, moe_intermediate_size=128), ("silu", "concatenated")),
+        (_gpt_oss, ("gpt_oss_swiglu", "interleaved")),
+    ],
+    ids=["qwen3_moe_fused_silu", "gpt_oss_fused_swiglu"],
+)
 def test_fused_gate_logits_and_gradients_match_eager(hub_kernel, build, activation, monkeypatch):
     """Gated experts whose gating we recognise run the gate_up gmm with the activation fused
     (one gmm_gated and one gmm per layer); logits and the training gradients match eager."""
@@ -192,8 +225,9 @@ def test_fused_gate_logits_and_gradients_match_eager(hub_kernel, build, activati
         grads[impl] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     assert any("gate_up_proj" in n for n in grads[NAME])
     for name, g in grads["eager"].items():
-        torch.testing.assert_close(grads[NAME][name], g, rtol=1e-4,
-                                   atol=1e-4 * max(g.abs().max().item(), 1e-6), msg=name)
+        torch.testing.assert_close(
+            grads[NAME][name], g, rtol=1e-4, atol=1e-4 * max(g.abs().max().item(), 1e-6), msg=name
+        )
 
 
 def test_fused_gate_bf16_logits(hub_kernel):
@@ -209,7 +243,9 @@ class _Config:
     _experts_implementation = "eager"
 
 
-def _layout_module(is_transposed, has_bias, has_gate, seed=0, intermediate=24, act="gelu_pytorch_tanh"):
+def _layout_module(
+    is_transposed, has_bias, has_gate, seed=0, intermediate=24, act="gelu_pytorch_tanh"
+):
     """A Transformers-style experts module with the given layout flags; its eager forward is the
     reference (written from the conventions of transformers.integrations.moe)."""
     from transformers.activations import ACT2FN
@@ -222,15 +258,22 @@ def _layout_module(is_transposed, has_bias, has_gate, seed=0, intermediate=24, a
             self.num_experts, h, i = 5, 32, intermediate
             g = torch.Generator().manual_seed(seed)
             out_up = 2 * i if has_gate else i
-            up_shape = (self.num_experts, h, out_up) if is_transposed else (self.num_experts, out_up, h)
+            up_shape = (
+                (self.num_experts, h, out_up) if is_transposed else (self.num_experts, out_up, h)
+            )
             dn_shape = (self.num_experts, i, h) if is_transposed else (self.num_experts, h, i)
             up = torch.nn.Parameter(torch.randn(*up_shape, generator=g) * 0.2)
             setattr(self, "gate_up_proj" if has_gate else "up_proj", up)
             self.down_proj = torch.nn.Parameter(torch.randn(*dn_shape, generator=g) * 0.2)
             if has_bias:
-                setattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias",
-                        torch.nn.Parameter(torch.randn(self.num_experts, out_up, generator=g)))
-                self.down_proj_bias = torch.nn.Parameter(torch.randn(self.num_experts, h, generator=g))
+                setattr(
+                    self,
+                    "gate_up_proj_bias" if has_gate else "up_proj_bias",
+                    torch.nn.Parameter(torch.randn(self.num_experts, out_up, generator=g)),
+                )
+                self.down_proj_bias = torch.nn.Parameter(
+                    torch.randn(self.num_experts, h, generator=g)
+                )
             self.act_fn = ACT2FN[act if has_gate else "relu2"]
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -258,7 +301,8 @@ def _layout_module(is_transposed, has_bias, has_gate, seed=0, intermediate=24, a
 @pytest.mark.parametrize(
     "is_transposed,has_bias,has_gate",
     # Each flag both ways (a full product would double the run time for no new code path).
-    [(False, False, True), (True, True, True), (False, True, False), (True, False, False)])
+    [(False, False, True), (True, True, True), (False, True, False), (True, False, False)],
+)
 def test_experts_layouts(hub_kernel, is_transposed, has_bias, has_gate):
     module = _layout_module(is_transposed, has_bias, has_gate)
     torch.manual_seed(4)
@@ -275,9 +319,15 @@ def test_experts_layouts(hub_kernel, is_transposed, has_bias, has_gate):
     assert all(p.grad is not None for p in module.parameters())
 
 
-@pytest.mark.parametrize("is_transposed,has_bias,act,fused", [
-    (False, True, "gelu", "gelu"), (True, False, "silu", "silu"),
-    (False, False, "gelu_pytorch_tanh", "gelu_tanh"), (True, True, "relu", None)])
+@pytest.mark.parametrize(
+    "is_transposed,has_bias,act,fused",
+    [
+        (False, True, "gelu", "gelu"),
+        (True, False, "silu", "silu"),
+        (False, False, "gelu_pytorch_tanh", "gelu_tanh"),
+        (True, True, "relu", None),
+    ],
+)
 def test_experts_fused_gate_layouts(hub_kernel, is_transposed, has_bias, act, fused):
     """I = 128: the default concatenated gating with a recognised act_fn runs fused (weights in
     either layout, with or without biases); an activation we do not fuse keeps the unfused path."""
@@ -301,5 +351,6 @@ def test_unsupported_layout_is_a_clear_error(hub_kernel):
     module = _layout_module(False, False, True)
     del module.gate_up_proj
     with pytest.raises(ValueError, match="gate_up_proj"):
-        hub_kernel.experts_forward(module, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long),
-                                   torch.ones(3, 2))
+        hub_kernel.experts_forward(
+            module, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+        )

@@ -1,15 +1,15 @@
 """ragged-dot-tpu kernel level (JAX): gmm, dlhs, tgmm and quantised gmm against f32 references,
 NaN isolation, TPU interpret mode, the work list and the cost model."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jax
-import jax.numpy as jnp
-
 import kernel_loader
+import tpu_interpreter
 
 rd = kernel_loader.load_kernel("ragged_dot")
 K, R, T = rd.kernel, rd.reference, rd.tiling
@@ -22,16 +22,18 @@ def _np(a):
 
 
 @st.composite
-def ragged_case(draw, dtypes=(jnp.float32, jnp.bfloat16), ks=(72, 128, 200, 384),
-                ns=(128, 200, 384)):
+def ragged_case(
+    draw, dtypes=(jnp.float32, jnp.bfloat16), ks=(72, 128, 200, 384), ns=(128, 200, 384)
+):
     dtype = draw(st.sampled_from(dtypes))
     m = draw(st.integers(1, 80))
     num_groups = draw(st.integers(1, 6))
     # Group sizes from cut points in [0, used]: duplicates make empty groups, used < m leaves
     # trailing rows outside every group.
     used = draw(st.one_of(st.just(m), st.integers(0, m)))
-    cuts = sorted(draw(st.lists(st.integers(0, used), min_size=num_groups - 1,
-                                max_size=num_groups - 1)))
+    cuts = sorted(
+        draw(st.lists(st.integers(0, used), min_size=num_groups - 1, max_size=num_groups - 1))
+    )
     bounds = [0] + cuts + [used]
     group_sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     k = draw(st.sampled_from(ks))
@@ -41,8 +43,7 @@ def ragged_case(draw, dtypes=(jnp.float32, jnp.bfloat16), ks=(72, 128, 200, 384)
     tk = draw(st.sampled_from(sorted({k, 128}))) if k > 128 else k
     tn = draw(st.sampled_from(sorted({n, 128}))) if n > 128 else n
     seed = draw(st.integers(0, 2**16))
-    return dict(dtype=dtype, m=m, k=k, n=n, group_sizes=group_sizes, tm=tm, tk=tk, tn=tn,
-                seed=seed)
+    return dict(dtype=dtype, m=m, k=k, n=n, group_sizes=group_sizes, tm=tm, tk=tk, tn=tn, seed=seed)
 
 
 def _arrays(c, transpose_rhs=False, rhs_dtype=None):
@@ -59,8 +60,15 @@ def _arrays(c, transpose_rhs=False, rhs_dtype=None):
 def test_gmm_matches_reference(c, transpose_rhs):
     lhs, rhs, gs = _arrays(c, transpose_rhs)
     tiling = T.GmmTiling(c["tm"], c["tk"], c["tn"])
-    out = K.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32, tiling=tiling,
-                interpret=True)
+    out = K.gmm(
+        lhs,
+        rhs,
+        gs,
+        transpose_rhs=transpose_rhs,
+        out_dtype=jnp.float32,
+        tiling=tiling,
+        interpret=True,
+    )
     ref = R.gmm_reference(lhs, rhs, c["group_sizes"], transpose_rhs=transpose_rhs)
     np.testing.assert_allclose(_np(out), ref, **TOL[c["dtype"]])
     used = sum(c["group_sizes"])
@@ -83,8 +91,15 @@ def test_dlhs_matches_reference(c, forward_transposed):
     # The forward multiplies by rhs [G,K,N] (or its transpose); the gradient multiplies by the
     # transpose, which is the same array read with the other flag.
     tiling = T.GmmTiling(c["tm"], c["tn"], c["tk"])
-    dlhs = K.gmm(dout, rhs, gs, transpose_rhs=not forward_transposed, out_dtype=jnp.float32,
-                 tiling=tiling, interpret=True)
+    dlhs = K.gmm(
+        dout,
+        rhs,
+        gs,
+        transpose_rhs=not forward_transposed,
+        out_dtype=jnp.float32,
+        tiling=tiling,
+        interpret=True,
+    )
     w = R._f64(rhs)
     w_kn = np.swapaxes(w, 1, 2) if forward_transposed else w  # [G, K, N]
     ref = R.gmm_reference(dout, np.swapaxes(w_kn, 1, 2), c["group_sizes"])
@@ -108,8 +123,11 @@ def test_tgmm_matches_reference(c):
 
 @pytest.mark.sweep
 @HALF
-@given(c=ragged_case(dtypes=(jnp.bfloat16,)), qdtype=st.sampled_from(["int8", "float8_e4m3fn"]),
-       transpose_rhs=st.booleans())
+@given(
+    c=ragged_case(dtypes=(jnp.bfloat16,)),
+    qdtype=st.sampled_from(["int8", "float8_e4m3fn"]),
+    transpose_rhs=st.booleans(),
+)
 def test_quantised_gmm_matches_dequantised_reference(c, qdtype, transpose_rhs):
     lhs, _, gs = _arrays(c)
     rng = np.random.default_rng(c["seed"] + 3)
@@ -120,14 +138,25 @@ def test_quantised_gmm_matches_dequantised_reference(c, qdtype, transpose_rhs):
     else:
         rhs = jnp.asarray(rng.standard_normal(shape) * 4, jnp.float8_e4m3fn)
     scales = jnp.asarray(rng.uniform(0.005, 0.02, (g, c["n"])), jnp.float32)
-    out = K.gmm(lhs, rhs, gs, scales, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
-                tiling=T.GmmTiling(c["tm"], c["tk"], c["tn"]), interpret=True)
+    out = K.gmm(
+        lhs,
+        rhs,
+        gs,
+        scales,
+        transpose_rhs=transpose_rhs,
+        out_dtype=jnp.float32,
+        tiling=T.GmmTiling(c["tm"], c["tk"], c["tn"]),
+        interpret=True,
+    )
     ref = R.gmm_reference(lhs, rhs, c["group_sizes"], scales, transpose_rhs=transpose_rhs)
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("transpose_rhs,tiling", [(False, None), (True, T.GmmTiling(32, 128, 128))],
-                         ids=["default_tiling", "small_tiles_transposed"])
+@pytest.mark.parametrize(
+    "transpose_rhs,tiling",
+    [(False, None), (True, T.GmmTiling(32, 128, 128))],
+    ids=["default_tiling", "small_tiles_transposed"],
+)
 def test_gmm_edge_groups(transpose_rhs, tiling):
     """Empty, one-row, tile-straddling groups and sum < M, with the default (production) tiling
     and with several row tiles; bf16 output."""
@@ -147,8 +176,9 @@ def test_long_groups_run_in_several_row_chunks():
     gs = [300, 5, 0, 250, 40]  # sum 595 < 600
     c = dict(dtype=jnp.float32, m=600, k=128, n=128, group_sizes=gs, seed=12)
     lhs, rhs, gsa = _arrays(c)
-    wl = T._fields(T.work_list(gsa, m=600, tm=512, buckets=T.bucket_sizes(512, 8), unit=8,
-                               kind="gmm"))
+    wl = T._fields(
+        T.work_list(gsa, m=600, tm=512, buckets=T.bucket_sizes(512, 8), unit=8, kind="gmm")
+    )
     assert wl["NFULL"].max() >= 1 and (wl["BUCKET"] >= 0).any()
     out = K.gmm(lhs, rhs, gsa, tiling=T.GmmTiling(512, 128, 128), interpret=True)
     np.testing.assert_allclose(np.asarray(out), R.gmm_reference(lhs, rhs, gs), **TOL[jnp.float32])
@@ -194,8 +224,11 @@ def test_nan_rows_stay_in_their_group_tgmm():
     gsa = jnp.asarray(gs, jnp.int32)
     tiling = T.TgmmTiling(16, 128, 128)
     clean = np.asarray(K.tgmm(lhs, dout, gsa, tiling=tiling, interpret=True))
-    dirty = np.asarray(K.tgmm(lhs.at[5:8].set(jnp.nan), dout.at[29:].set(jnp.nan), gsa,
-                              tiling=tiling, interpret=True))
+    dirty = np.asarray(
+        K.tgmm(
+            lhs.at[5:8].set(jnp.nan), dout.at[29:].set(jnp.nan), gsa, tiling=tiling, interpret=True
+        )
+    )
     for g in (0, 2, 3, 4):
         np.testing.assert_array_equal(dirty[g], clean[g])
     assert np.all(np.isnan(dirty[1]))
@@ -207,19 +240,11 @@ def test_nan_rows_stay_in_their_group_tgmm():
 
 
 def _tpu_interpret(fn):
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    from jax.experimental.pallas import tpu as pltpu
-
+    """fn(interpret params with every check on), run to completion; raises on a race."""
     import jax_bridge
 
-    pltpu.reset_tpu_interpret_mode_state()
-    try:
-        out = jax.block_until_ready(fn(jax_bridge.tpu_interpret_params()))
-        races = getattr(ipc, "races", None)
-        assert not (races is not None and races.races_found), "TPU interpret mode found a race"
-        return out
-    finally:
-        pltpu.reset_tpu_interpret_mode_state()
+    with tpu_interpreter.race_checked():
+        return jax.block_until_ready(fn(jax_bridge.tpu_interpret_params()))
 
 
 @pytest.mark.tpu_interpret
@@ -230,8 +255,9 @@ def test_gmm_tpu_interpret(transpose_rhs):
     c = dict(dtype=jnp.float32, m=40, k=200, n=256, group_sizes=gs, seed=5)
     lhs, rhs, gsa = _arrays(c, transpose_rhs)
     tiling = T.GmmTiling(16, 128, 128)
-    out = _tpu_interpret(lambda p: K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs,
-                                         tiling=tiling, interpret=p))
+    out = _tpu_interpret(
+        lambda p: K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs, tiling=tiling, interpret=p)
+    )
     ref = R.gmm_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
     np.testing.assert_allclose(np.asarray(out), ref, **TOL[jnp.float32])
 
@@ -243,11 +269,19 @@ def test_tgmm_tpu_interpret():
     rng = np.random.default_rng(6)
     lhs = jnp.asarray(rng.standard_normal((40, 200)), jnp.bfloat16)
     dout = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
-    out = _tpu_interpret(lambda p: K.tgmm(lhs, dout, jnp.asarray(gs, jnp.int32),
-                                          out_dtype=jnp.float32,
-                                          tiling=T.TgmmTiling(16, 128, 128), interpret=p))
-    np.testing.assert_allclose(np.asarray(out), R.tgmm_reference(lhs, dout, gs),
-                               **TOL[jnp.bfloat16])
+    out = _tpu_interpret(
+        lambda p: K.tgmm(
+            lhs,
+            dout,
+            jnp.asarray(gs, jnp.int32),
+            out_dtype=jnp.float32,
+            tiling=T.TgmmTiling(16, 128, 128),
+            interpret=p,
+        )
+    )
+    np.testing.assert_allclose(
+        np.asarray(out), R.tgmm_reference(lhs, dout, gs), **TOL[jnp.bfloat16]
+    )
 
 
 @pytest.mark.tpu_interpret
@@ -258,11 +292,20 @@ def test_quantised_gmm_tpu_interpret():
     lhs = jnp.asarray(rng.standard_normal((32, 256)), jnp.bfloat16)
     rhs = jnp.asarray(rng.integers(-127, 128, (4, 256, 128)), jnp.int8)
     scales = jnp.asarray(rng.uniform(0.005, 0.02, (4, 128)), jnp.float32)
-    out = _tpu_interpret(lambda p: K.gmm(lhs, rhs, jnp.asarray(gs, jnp.int32), scales,
-                                         out_dtype=jnp.float32,
-                                         tiling=T.GmmTiling(16, 128, 128), interpret=p))
-    np.testing.assert_allclose(np.asarray(out), R.gmm_reference(lhs, rhs, gs, scales),
-                               rtol=1e-5, atol=1e-3)
+    out = _tpu_interpret(
+        lambda p: K.gmm(
+            lhs,
+            rhs,
+            jnp.asarray(gs, jnp.int32),
+            scales,
+            out_dtype=jnp.float32,
+            tiling=T.GmmTiling(16, 128, 128),
+            interpret=p,
+        )
+    )
+    np.testing.assert_allclose(
+        np.asarray(out), R.gmm_reference(lhs, rhs, gs, scales), rtol=1e-5, atol=1e-3
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -271,8 +314,12 @@ def test_quantised_gmm_tpu_interpret():
 
 
 @pytest.mark.sweep
-@given(m=st.integers(1, 300), sizes=st.lists(st.integers(0, 70), min_size=1, max_size=12),
-       tm=st.sampled_from([16, 32, 128, 512]), kind=st.sampled_from(["gmm", "tgmm"]))
+@given(
+    m=st.integers(1, 300),
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=12),
+    tm=st.sampled_from([16, 32, 128, 512]),
+    kind=st.sampled_from(["gmm", "tgmm"]),
+)
 @settings(max_examples=60)
 def test_work_list_covers_each_row_once(m, sizes, tm, kind):
     # Trim sizes so that sum <= m.
@@ -282,8 +329,9 @@ def test_work_list_covers_each_row_once(m, sizes, tm, kind):
         left -= gs[-1]
     unit = 16
     buckets = T.bucket_sizes(tm, unit)
-    wl = T._fields(T.work_list(np.asarray(gs, np.int32), m=m, tm=tm, buckets=buckets, unit=unit,
-                               kind=kind))
+    wl = T._fields(
+        T.work_list(np.asarray(gs, np.int32), m=m, tm=tm, buckets=buckets, unit=unit, kind=kind)
+    )
     L = len(wl["OUT"])
     assert L == T.work_list_length(m, tm, len(gs))
     compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
@@ -351,8 +399,9 @@ def test_cost_targets_at_qwen3_shapes(generation):
 
 
 def test_tiling_override_and_validation():
-    t = T.gmm_tiling(4096, 2048, 1536, jnp.bfloat16, jnp.bfloat16, generation="v6e",
-                     override={"tn": 512})
+    t = T.gmm_tiling(
+        4096, 2048, 1536, jnp.bfloat16, jnp.bfloat16, generation="v6e", override={"tn": 512}
+    )
     assert t.tn == 512
     with pytest.raises(ValueError, match="tm"):
         T.gmm_tiling(4096, 2048, 1536, jnp.bfloat16, jnp.bfloat16, override={"tm": 100})
@@ -363,27 +412,12 @@ def test_tiling_override_and_validation():
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["gmm", "gmm_int8_transposed", "tgmm"])
-def test_estimate_cost_counts_exactly_what_the_interpreter_copies(kind, monkeypatch):
+def test_estimate_cost_counts_exactly_what_the_interpreter_copies(kind):
     """estimate_cost's hbm_bytes equals the bytes of every BlockSpec copy that TPU interpret mode
     performs (input blocks read from HBM, output blocks written back), edge blocks padded."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    import jax_bridge
 
-    copied = []
-    orig_get, orig_store = ipc.get, ipc.store
-
-    def get(*args, **kwargs):
-        token, val = orig_get(*args, **kwargs)
-        if kwargs.get("input_name") is not None:  # a BlockSpec input copy
-            copied.append(val.nbytes)
-        return token, val
-
-    def store(*args, **kwargs):
-        if kwargs.get("output_name") is not None:  # a BlockSpec output write-back
-            copied.append(np.asarray(args[6]).nbytes)
-        return orig_store(*args, **kwargs)
-
-    monkeypatch.setattr(ipc, "get", get)
-    monkeypatch.setattr(ipc, "store", store)
+    counted = tpu_interpreter.count_traffic(jax_bridge.tpu_interpret_params())
     gs = [10, 0, 30, 1, 3]  # sum 44 < 50: a virtual tail, an edge row tile, K and N edges
     m, k, n = 50, 200, 384
     rng = np.random.default_rng(9)
@@ -392,7 +426,8 @@ def test_estimate_cost_counts_exactly_what_the_interpreter_copies(kind, monkeypa
     if kind == "tgmm":
         dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
         tiling = T.TgmmTiling(16, 128, 256)
-        _tpu_interpret(lambda p: K.tgmm(lhs, dout, gsa, tiling=tiling, interpret=p))
+        with counted as t:
+            _tpu_interpret(lambda p: K.tgmm(lhs, dout, gsa, tiling=tiling, interpret=p))
         cost = T.estimate_cost("tgmm", (m, k), (m, n), gs, tiling=tiling, padded_edge_blocks=True)
     else:
         quant = kind != "gmm"
@@ -400,12 +435,24 @@ def test_estimate_cost_counts_exactly_what_the_interpreter_copies(kind, monkeypa
         rhs = jnp.asarray(rng.standard_normal(shape), jnp.int8 if quant else jnp.bfloat16)
         scales = jnp.ones((5, n), jnp.float32) if quant else None
         tiling = T.GmmTiling(16, 128, 256)
-        _tpu_interpret(lambda p: K.gmm(lhs, rhs, gsa, scales, transpose_rhs=quant, tiling=tiling,
-                                       interpret=p))
-        cost = T.estimate_cost("gmm", (m, k), shape, gs, rhs_dtype=rhs.dtype, transpose_rhs=quant,
-                               tiling=tiling, padded_edge_blocks=True)
-    assert copied, "the counter saw no copies"
-    assert sum(copied) == cost.hbm_bytes
+        with counted as t:
+            _tpu_interpret(
+                lambda p: K.gmm(
+                    lhs, rhs, gsa, scales, transpose_rhs=quant, tiling=tiling, interpret=p
+                )
+            )
+        cost = T.estimate_cost(
+            "gmm",
+            (m, k),
+            shape,
+            gs,
+            rhs_dtype=rhs.dtype,
+            transpose_rhs=quant,
+            tiling=tiling,
+            padded_edge_blocks=True,
+        )
+    assert t.blockspec_reads and t.blockspec_writes, "the counter saw no copies"
+    assert t.blockspec_read_bytes + t.blockspec_write_bytes == cost.hbm_bytes
 
 
 # -------------------------------------------------------------------------------------------------
@@ -433,14 +480,25 @@ def test_gmm_gated_matches_reference(activation, layout):
     transpose_rhs = (activation in ("silu", "gelu_tanh")) == (layout == "concatenated")
     with_bias = activation != "gelu"
     gs = [5, 0, 20, 3, 9]  # sum 37 < 48
-    lhs, rhs, bias, gsa = _gated_arrays(48, 200, 128, gs, transpose_rhs=transpose_rhs,
-                                        bias=with_bias)
+    lhs, rhs, bias, gsa = _gated_arrays(
+        48, 200, 128, gs, transpose_rhs=transpose_rhs, bias=with_bias
+    )
     tn = 64 if layout == "interleaved" else 128  # interleaved: 2 output tiles per 256 columns
-    out = K.gmm_gated(lhs, rhs, gsa, bias, activation=activation, layout=layout,
-                      transpose_rhs=transpose_rhs, tiling=T.GmmTiling(16, 128, tn), interpret=True)
+    out = K.gmm_gated(
+        lhs,
+        rhs,
+        gsa,
+        bias,
+        activation=activation,
+        layout=layout,
+        transpose_rhs=transpose_rhs,
+        tiling=T.GmmTiling(16, 128, tn),
+        interpret=True,
+    )
     assert out.shape == (48, 128)
-    ref = R.gmm_gated_reference(lhs, rhs, gs, bias, activation=activation, layout=layout,
-                                transpose_rhs=transpose_rhs)
+    ref = R.gmm_gated_reference(
+        lhs, rhs, gs, bias, activation=activation, layout=layout, transpose_rhs=transpose_rhs
+    )
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=2e-4)
     assert np.all(_np(out)[37:] == 0)
 
@@ -451,17 +509,35 @@ def test_gmm_gated_default_tiling_bf16_and_interleaved_edge():
     masked before the lane compaction."""
     gs = [30, 2, 0, 40]
     lhs, rhs, bias, gsa = _gated_arrays(80, 256, 128, gs, transpose_rhs=True, dtype=jnp.bfloat16)
-    out = K.gmm_gated(lhs, rhs, gsa, bias, activation="silu", layout="concatenated",
-                      transpose_rhs=True, interpret=True)
-    ref = R.gmm_gated_reference(lhs, rhs, gs, bias, activation="silu", layout="concatenated",
-                                transpose_rhs=True)
+    out = K.gmm_gated(
+        lhs,
+        rhs,
+        gsa,
+        bias,
+        activation="silu",
+        layout="concatenated",
+        transpose_rhs=True,
+        interpret=True,
+    )
+    ref = R.gmm_gated_reference(
+        lhs, rhs, gs, bias, activation="silu", layout="concatenated", transpose_rhs=True
+    )
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(_np(out), ref, rtol=2e-2, atol=5e-2 * np.abs(ref).max())
     lhs, rhs, bias, gsa = _gated_arrays(40, 128, 96, [7, 25], transpose_rhs=False)
-    out = K.gmm_gated(lhs, rhs, gsa, bias, activation="gpt_oss_swiglu", layout="interleaved",
-                      tiling=T.GmmTiling(16, 128, 64), interpret=True)
-    ref = R.gmm_gated_reference(lhs, rhs, [7, 25], bias, activation="gpt_oss_swiglu",
-                                layout="interleaved")
+    out = K.gmm_gated(
+        lhs,
+        rhs,
+        gsa,
+        bias,
+        activation="gpt_oss_swiglu",
+        layout="interleaved",
+        tiling=T.GmmTiling(16, 128, 64),
+        interpret=True,
+    )
+    ref = R.gmm_gated_reference(
+        lhs, rhs, [7, 25], bias, activation="gpt_oss_swiglu", layout="interleaved"
+    )
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=2e-4)
 
 
@@ -498,11 +574,22 @@ def test_gmm_gated_tpu_interpret(layout):
     lhs, rhs, bias, gsa = _gated_arrays(40, 200, 128, gs, transpose_rhs=layout == "concatenated")
     act = "gelu_tanh" if layout == "concatenated" else "gpt_oss_swiglu"
     tn = 128 if layout == "concatenated" else 64
-    out = _tpu_interpret(lambda p: K.gmm_gated(
-        lhs, rhs, gsa, bias, activation=act, layout=layout,
-        transpose_rhs=layout == "concatenated", tiling=T.GmmTiling(16, 128, tn), interpret=p))
-    ref = R.gmm_gated_reference(lhs, rhs, gs, bias, activation=act, layout=layout,
-                                transpose_rhs=layout == "concatenated")
+    out = _tpu_interpret(
+        lambda p: K.gmm_gated(
+            lhs,
+            rhs,
+            gsa,
+            bias,
+            activation=act,
+            layout=layout,
+            transpose_rhs=layout == "concatenated",
+            tiling=T.GmmTiling(16, 128, tn),
+            interpret=p,
+        )
+    )
+    ref = R.gmm_gated_reference(
+        lhs, rhs, gs, bias, activation=act, layout=layout, transpose_rhs=layout == "concatenated"
+    )
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=2e-4)
 
 
@@ -513,8 +600,9 @@ def test_gated_cost_saves_the_intermediate_write(layout):
     least M x I x 2 bytes, and its weight traffic stays within 1.01x of the minimum."""
     gs = _routing(64, QWEN["experts"], QWEN["top_k"])
     m, (k, two_i) = 64 * QWEN["top_k"], QWEN["projections"][0]
-    fused = T.estimate_cost("gmm", (m, k), (QWEN["experts"], k, two_i), gs, generation="v6e",
-                            gate_layout=layout)
+    fused = T.estimate_cost(
+        "gmm", (m, k), (QWEN["experts"], k, two_i), gs, generation="v6e", gate_layout=layout
+    )
     plain = T.estimate_cost("gmm", (m, k), (QWEN["experts"], k, two_i), gs, generation="v6e")
     assert plain.hbm_bytes - fused.hbm_bytes >= m * (two_i // 2) * 2
     assert fused.hbm_bytes <= 1.01 * fused.min_hbm_bytes, fused
@@ -531,24 +619,51 @@ def test_large_weight_blocks_run_in_column_chunks(monkeypatch):
     c = dict(dtype=jnp.float32, m=56, k=128, n=384, group_sizes=gs, seed=21)
     for transpose_rhs in (False, True):
         lhs, rhs, gsa = _arrays(c, transpose_rhs)
-        out = K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs,
-                    tiling=T.GmmTiling(16, 128, 384), interpret=True)
+        out = K.gmm(
+            lhs,
+            rhs,
+            gsa,
+            transpose_rhs=transpose_rhs,
+            tiling=T.GmmTiling(16, 128, 384),
+            interpret=True,
+        )
         ref = R.gmm_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
         np.testing.assert_allclose(_np(out), ref, **TOL[jnp.float32])
     rng = np.random.default_rng(22)
     rhs_q = jnp.asarray(rng.integers(-127, 128, (4, 384, 128)), jnp.int8)
     scales = jnp.asarray(rng.uniform(0.005, 0.02, (4, 384)), jnp.float32)
     lhs16 = lhs.astype(jnp.bfloat16)
-    out = K.gmm(lhs16, rhs_q, gsa, scales, transpose_rhs=True, out_dtype=jnp.float32,
-                tiling=T.GmmTiling(16, 128, 384), interpret=True)
-    np.testing.assert_allclose(_np(out), R.gmm_reference(lhs16, rhs_q, gs, scales,
-                                                         transpose_rhs=True), rtol=1e-5, atol=1e-3)
+    out = K.gmm(
+        lhs16,
+        rhs_q,
+        gsa,
+        scales,
+        transpose_rhs=True,
+        out_dtype=jnp.float32,
+        tiling=T.GmmTiling(16, 128, 384),
+        interpret=True,
+    )
+    np.testing.assert_allclose(
+        _np(out),
+        R.gmm_reference(lhs16, rhs_q, gs, scales, transpose_rhs=True),
+        rtol=1e-5,
+        atol=1e-3,
+    )
     dout = jnp.asarray(rng.standard_normal((56, 384)), jnp.float32)
     g = K.tgmm(lhs, dout, gsa, tiling=T.TgmmTiling(16, 128, 384), interpret=True)
     np.testing.assert_allclose(_np(g), R.tgmm_reference(lhs, dout, gs), **TOL[jnp.float32])
     glhs, grhs, gbias, _ = _gated_arrays(56, 128, 192, gs, transpose_rhs=False, seed=23)
-    out = K.gmm_gated(glhs, grhs, gsa, gbias, activation="gpt_oss_swiglu", layout="interleaved",
-                      tiling=T.GmmTiling(16, 128, 192), interpret=True)
-    ref = R.gmm_gated_reference(glhs, grhs, gs, gbias, activation="gpt_oss_swiglu",
-                                layout="interleaved")
+    out = K.gmm_gated(
+        glhs,
+        grhs,
+        gsa,
+        gbias,
+        activation="gpt_oss_swiglu",
+        layout="interleaved",
+        tiling=T.GmmTiling(16, 128, 192),
+        interpret=True,
+    )
+    ref = R.gmm_gated_reference(
+        glhs, grhs, gs, gbias, activation="gpt_oss_swiglu", layout="interleaved"
+    )
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=2e-4)

@@ -14,7 +14,7 @@ def _ref_gmm(x, w, group_sizes, transpose_rhs=False):
     outs, start = [], 0
     for g, size in enumerate(group_sizes):
         wg = w[g].T if transpose_rhs else w[g]
-        outs.append(x[start:start + size] @ wg)
+        outs.append(x[start : start + size] @ wg)
         start += size
     n = w.shape[1] if transpose_rhs else w.shape[2]
     outs.append(x.new_zeros((x.shape[0] - start, n)))
@@ -30,8 +30,15 @@ def _inputs(m, k, n, group_sizes, dtype=torch.float32, transpose_rhs=False, seed
 
 
 def test_public_api():
-    assert set(rd.__all__) == {"ragged_dot", "gmm", "gmm_gated", "tgmm", "experts_forward",
-                               "register"}
+    assert set(rd.__all__) == {
+        "ragged_dot",
+        "gmm",
+        "gmm_gated",
+        "tgmm",
+        "experts_forward",
+        "register",
+        "warmup",
+    }
     for name in rd.__all__:
         assert callable(getattr(rd, name))
 
@@ -63,26 +70,39 @@ def test_tgmm_and_ragged_dot_match_reference():
     x, w, gst = _inputs(20, 200, 128, gs)
     dout = torch.randn(20, 128)
     got = rd.tgmm(x, dout, gst)
-    ref = torch.stack([x[s:e].T.double() @ dout[s:e].double() for s, e in
-                       zip(np.r_[0, np.cumsum(gs)[:-1]], np.cumsum(gs))])
+    ref = torch.stack(
+        [
+            x[s:e].T.double() @ dout[s:e].double()
+            for s, e in zip(np.r_[0, np.cumsum(gs)[:-1]], np.cumsum(gs))
+        ]
+    )
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     out = rd.ragged_dot(x, w, gst, preferred_element_type=torch.float32)
-    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        out.double(), _ref_gmm(x.double(), w.double(), gs), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_tiling_override_through_torch():
     gs = [5, 0, 14, 20]
     x, w, gst = _inputs(48, 200, 256, gs, torch.bfloat16, transpose_rhs=True, seed=4)
-    out = rd.gmm(x, w, gst, transpose_rhs=True, out_dtype=torch.float32,
-                 tiling={"tm": 16, "tk": 128, "tn": 128})
-    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs, True),
-                               rtol=1e-5, atol=1e-3)
+    out = rd.gmm(
+        x,
+        w,
+        gst,
+        transpose_rhs=True,
+        out_dtype=torch.float32,
+        tiling={"tm": 16, "tk": 128, "tn": 128},
+    )
+    torch.testing.assert_close(
+        out.double(), _ref_gmm(x.double(), w.double(), gs, True), rtol=1e-5, atol=1e-3
+    )
     dout = torch.randn(48, 256).to(torch.bfloat16)
     got = rd.tgmm(x, dout, gst, out_dtype=torch.float32, tiling={"tm": 16, "tk": 128})
     starts = np.r_[0, np.cumsum(gs)[:-1]]
-    ref = torch.stack([x[s:s + g].double().T @ dout[s:s + g].double()
-                       for s, g in zip(starts, gs)])
+    ref = torch.stack(
+        [x[s : s + g].double().T @ dout[s : s + g].double() for s, g in zip(starts, gs)]
+    )
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
     with pytest.raises(ValueError, match="tiling"):
         rd.gmm(x, w, gst, transpose_rhs=True, tiling={"tm": 10})
@@ -120,9 +140,16 @@ def test_opcheck():
     x, w, gst = _inputs(10, 128, 128, gs)
     torch.library.opcheck(rd.ops.gmm_op, (x, w, gst, None, False, "", 0, 0, 0))
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    torch.library.opcheck(rd.ops.gmm_op, (xr, wr, gst, None, False, "", 0, 0, 0),
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        rd.ops.gmm_op,
+        (xr, wr, gst, None, False, "", 0, 0, 0),
+        test_utils=(
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        ),
+    )
     torch.library.opcheck(rd.ops.tgmm_op, (x, torch.randn(10, 128), gst, "", 0, 0, 0))
 
 
@@ -148,8 +175,9 @@ def test_gmm_op_in_tpu_interpret_mode(tpu_interpret):
     gs = [5, 0, 9]
     x, w, gst = _inputs(16, 128, 128, gs)
     out = rd.gmm(x, w, gst)
-    torch.testing.assert_close(out.double(), _ref_gmm(x.double(), w.double(), gs),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        out.double(), _ref_gmm(x.double(), w.double(), gs), rtol=1e-5, atol=1e-4
+    )
 
 
 def _ref_gated(x, w, bias, group_sizes, activation, layout, transpose_rhs):
@@ -163,12 +191,15 @@ def _ref_gated(x, w, bias, group_sizes, activation, layout, transpose_rhs):
     return rd.ops.gated_activation_torch(h, activation, layout)
 
 
-@pytest.mark.parametrize("layout,activation,transpose_rhs,with_bias", [
-    ("concatenated", "silu", True, False),
-    ("concatenated", "gelu", False, True),
-    ("interleaved", "gpt_oss_swiglu", False, True),
-    ("interleaved", "gelu_tanh", True, False),
-])
+@pytest.mark.parametrize(
+    "layout,activation,transpose_rhs,with_bias",
+    [
+        ("concatenated", "silu", True, False),
+        ("concatenated", "gelu", False, True),
+        ("interleaved", "gpt_oss_swiglu", False, True),
+        ("interleaved", "gelu_tanh", True, False),
+    ],
+)
 def test_gmm_gated_autograd_matches_reference(layout, activation, transpose_rhs, with_bias):
     """Forward and the recomputing backward (d lhs, d rhs, d bias) against float64 autograd."""
     gs = [3, 0, 17, 1, 9]  # sum 30 < M = 40
@@ -177,8 +208,9 @@ def test_gmm_gated_autograd_matches_reference(layout, activation, transpose_rhs,
     x.requires_grad_(True)
     gen = torch.Generator().manual_seed(5)
     bias = (torch.randn(5, 256, generator=gen) * 2).requires_grad_(True) if with_bias else None
-    out = rd.gmm_gated(x, w, gst, bias, activation=activation, layout=layout,
-                       transpose_rhs=transpose_rhs)
+    out = rd.gmm_gated(
+        x, w, gst, bias, activation=activation, layout=layout, transpose_rhs=transpose_rhs
+    )
     assert out.shape == (40, 128) and out.dtype == torch.float32
     x64 = x.detach().double().requires_grad_(True)
     w64 = w.detach().double().requires_grad_(True)
@@ -200,13 +232,15 @@ def test_gmm_gated_autograd_matches_reference(layout, activation, transpose_rhs,
 def test_gmm_gated_opcheck():
     x, w, gst = _inputs(10, 128, 256, [3, 0, 5])
     bias = torch.randn(3, 256)
-    torch.library.opcheck(rd.ops.gmm_gated_op,
-                          (x, w, gst, bias, "silu", "concatenated", False, "", 0, 0, 0))
+    torch.library.opcheck(
+        rd.ops.gmm_gated_op, (x, w, gst, bias, "silu", "concatenated", False, "", 0, 0, 0)
+    )
     xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, bias))
-    torch.library.opcheck(rd.ops.gmm_gated_op,
-                          (xr, wr, gst, br, "gpt_oss_swiglu", "interleaved", False, "", 0, 0, 0),
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
+    torch.library.opcheck(
+        rd.ops.gmm_gated_op,
+        (xr, wr, gst, br, "gpt_oss_swiglu", "interleaved", False, "", 0, 0, 0),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 def _bad_calls():
@@ -259,5 +293,9 @@ def test_hub_loading_offline(monkeypatch):
     kernel_loader.use_offline_hub(monkeypatch)
     hub = kernels.get_kernel(kernel_loader.repo_id("ragged_dot"), version=1, trust_remote_code=True)
     x, w, gs = _inputs(8, 128, 128, [3, 5])
-    torch.testing.assert_close(hub.ragged_dot(x, w, gs).double(),
-                               _ref_gmm(x.double(), w.double(), [3, 5]), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        hub.ragged_dot(x, w, gs).double(),
+        _ref_gmm(x.double(), w.double(), [3, 5]),
+        rtol=1e-5,
+        atol=1e-4,
+    )

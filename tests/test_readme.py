@@ -26,15 +26,28 @@ def test_readme_test_count_matches_the_collected_suite():
     stated = re.findall(r"~(\d+) tests", README)
     assert len(stated) == 1, "README states the suite size once, as '~N tests'"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         str(ROOT / "tests")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     found = re.search(r"^(\d+) tests? collected", run.stdout, re.M)
     assert found, run.stdout[-2000:] + run.stderr[-2000:]
     collected, readme = int(found.group(1)), int(stated[0])
     assert abs(collected - readme) <= TEST_COUNT_SLACK * readme, (
         f"README says ~{readme} tests, pytest collects {collected}: update the `make test` line "
-        "(and its time, from the last full run)")
+        "(and its time, from the last full run)"
+    )
 
 
 def _cited_sentences(text: str) -> list[str]:
@@ -66,7 +79,7 @@ def _matches(kind: str, token: str, values: list[float]) -> bool:
     scale = 1000 if token.endswith("k") else 1
     digits = token.rstrip("k").replace(",", "")
     decimals = len(digits.split(".")[1]) if "." in digits else 0
-    target, half_unit = float(digits), 0.5 * 10 ** -decimals
+    target, half_unit = float(digits), 0.5 * 10**-decimals
     return any(abs(v / scale - target) <= half_unit + 1e-9 for v in values)
 
 
@@ -84,15 +97,23 @@ def test_readme_numbers_quoted_from_results_are_in_results_json():
         checked += len(_quoted_numbers(sentence))
         wrong += [f"{t} in: {sentence[:160]}..." for t in _unmatched(sentence, values)]
     assert checked > 0, f"no number found in sentences citing {CITATION}"
-    assert wrong == [], "README quotes numbers results.json does not hold (rerun of make bench?):\n" + \
-        "\n".join(wrong)
+    assert wrong == [], (
+        "README quotes numbers results.json does not hold (rerun of make bench?):\n"
+        + "\n".join(wrong)
+    )
 
 
 def test_quote_checker_catches_a_stale_number():
     values = _result_values()
-    current = "This moves 1.26x the minimum in 80 grid steps (Splash: 8.35x, 8.19k steps) " + CITATION
-    assert _quoted_numbers(current) == [("ratio", "1.26"), ("ratio", "8.35"), ("steps", "80"),
-                                        ("steps", "8.19k")]
+    current = (
+        "This moves 1.26x the minimum in 80 grid steps (Splash: 8.35x, 8.19k steps) " + CITATION
+    )
+    assert _quoted_numbers(current) == [
+        ("ratio", "1.26"),
+        ("ratio", "8.35"),
+        ("steps", "80"),
+        ("steps", "8.19k"),
+    ]
     assert _unmatched(current, values) == []
     stale = current.replace("1.26x", "1.31x").replace("80 grid", "83 grid")
     assert _unmatched(stale, values) == ["1.31", "83"]
@@ -104,5 +125,5 @@ def test_readme_lists_the_models_that_pin_flash_kernels_and_the_registered_name_
         assert model in flat, model
     integration = (ROOT / "kernels" / "flash_attention" / "integration.py").read_text()
     default_name = re.search(r'^DEFAULT_NAME = "([^"]+)"', integration, re.M).group(1)
-    assert f'name = kernel.register()   # "{default_name}"' in README
+    assert re.search(rf'name = kernel\.register\(\)\s+# "{re.escape(default_name)}"', README)
     assert "attn_implementation=name" in README

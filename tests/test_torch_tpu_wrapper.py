@@ -23,11 +23,20 @@ TORCH_TPU_ENV = Path(os.environ.get("TORCH_TPU_ENV", ROOT / ".torch-tpu-env"))
 def probe(variant: Path, case: str) -> dict:
     if not (TORCH_TPU_ENV / "torch_tpu").is_dir():
         raise AssertionError(f"torch-tpu not found in {TORCH_TPU_ENV}: run `make setup`")
-    env = dict(os.environ, PYTHONPATH=str(TORCH_TPU_ENV), JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-               PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(TORCH_TPU_ENV),
+        JAX_PLATFORMS="cpu",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        PYTHONWARNINGS="ignore",
+    )
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "torch_tpu_probe.py"), str(variant), case],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -42,7 +51,10 @@ def test_toy_kernel_registers_through_torch_tpu_and_exports_for_tpu(tmp_path):
 
 
 EXPECTED_OUTPUTS = {
-    "ragged_dot": [[[512, 1536], "torch.bfloat16", "meta"], [[128, 2048, 1536], "torch.bfloat16", "meta"]],
+    "ragged_dot": [
+        [[512, 1536], "torch.bfloat16", "meta"],
+        [[128, 2048, 1536], "torch.bfloat16", "meta"],
+    ],
     "flash_attention": [[[1, 2048, 32, 128], "torch.bfloat16", "meta"]],
     "paged_attention": [[[8, 32, 128], "torch.bfloat16", "meta"]],
 }

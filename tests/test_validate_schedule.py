@@ -5,14 +5,12 @@ host-side metadata."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import validate_schedule as vs  # noqa: E402
 
@@ -23,6 +21,7 @@ HAVE_TOKAMAX = (vs.TOKAMAX_DIR / "tokamax").is_dir()
 def needs_tokamax(fn):
     def check():
         assert HAVE_TOKAMAX, "tokamax not installed in .tokamax: run `make setup`"
+
     import functools
 
     @functools.wraps(fn)
@@ -31,6 +30,7 @@ def needs_tokamax(fn):
         return fn(*a, **k)
 
     return wrapped
+
 
 ATTN_CSV = """gen,op,B,T,t,Hq,Hkv,D,Dv,causal,soft_cap,residuals,ms,tflops,config
 tpu7x,pallas_mosaic_tpu_flash_attention,2,8192,8192,8,8,256,256,True,,False,1.291,425.8,"{""block_q"":2048,""block_kv"":2048,""block_kv_compute"":512,""q_layout"":1,""k_layout"":2,""v_layout"":1,""use_experimental_scheduler"":true,""use_base2_exp"":true}"
@@ -52,7 +52,9 @@ def test_csv_rows_keep_only_tokamax_pallas_kernels(tmp_path):
     (tmp_path / "r.csv").write_text(RAGGED_CSV)
     attn = vs.load_attention_rows(tmp_path / "a.csv")
     assert [(r.gen, r.B, r.causal, r.residuals) for r in attn] == [
-        ("tpu7x", 2, True, False), ("v6e", 32, False, True)]
+        ("tpu7x", 2, True, False),
+        ("v6e", 32, False, True),
+    ]
     assert attn[0].cfg["block_kv_compute"] == 512 and attn[0].cfg["k_layout"] == 2
     assert attn[0].ms == pytest.approx(1.291)
     rag = vs.load_ragged_rows(tmp_path / "r.csv")
@@ -107,12 +109,18 @@ def test_ragged_visits_equal_tokamax_group_metadata():
         sizes[1] = 0
         sizes[0] += 1024 - sum(sizes)
         (_, group_ids, m_tile_ids), num = rk.make_group_metadata(
-            group_sizes=jnp.asarray(sizes, jnp.int32), m=1024, tm=tm, start_group=0,
-            num_nonzero_groups=8, visit_empty_groups=empty)
+            group_sizes=jnp.asarray(sizes, jnp.int32),
+            m=1024,
+            tm=tm,
+            start_group=0,
+            num_nonzero_groups=8,
+            visit_empty_groups=empty,
+        )
         visits = vs.ragged_visits(sizes, tm, empty)
         assert int(num) == len(visits)
-        assert [(int(t), int(g)) for t, g in zip(m_tile_ids[:len(visits)],
-                                                 group_ids[:len(visits)])] == visits
+        assert [
+            (int(t), int(g)) for t, g in zip(m_tile_ids[: len(visits)], group_ids[: len(visits)])
+        ] == visits
 
 
 @needs_tokamax
@@ -131,8 +139,7 @@ def test_splash_trips_match_block_counting(T, bq, bkv):
                 full += 1
             else:
                 partial += 1
-    assert trips == {"steps": full + partial, "full": full, "partial": partial,
-                     "rows": len(rows)}
+    assert trips == {"steps": full + partial, "full": full, "partial": partial, "rows": len(rows)}
     assert vs.splash_trips(T, T, bq, bkv, causal=False)["partial"] == 0
 
 
@@ -196,13 +203,19 @@ def test_stats_counts_rows_within_25_percent():
 def test_tokamax_gmm_compiles_and_its_grid_step_is_read(tmp_path):
     """One tiny row through the whole path: deviceless compile with the LLO dump (a fresh
     process), the grid loop found, and a scheduled time that grows with the number of visits."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from tpu_compile import libtpu_available
 
     assert libtpu_available(), "libtpu not installed in .libtpu: run `make setup`"
-    row = vs.RaggedRow("v6e", "fwd", (1024, 256), (4, 256, 256), 4, 1024, 1.0,
-                       (("input_buffer_count", 2), ("tile_k", 256), ("tile_m", 256),
-                        ("tile_n", 256)))
+    row = vs.RaggedRow(
+        "v6e",
+        "fwd",
+        (1024, 256),
+        (4, 256, 256),
+        4,
+        1024,
+        1.0,
+        (("input_buffer_count", 2), ("tile_k", 256), ("tile_m", 256), ("tile_n", 256)),
+    )
     struct = vs.compile_row(row)
     assert "error" not in struct, struct.get("error")
     assert struct["kernel"].startswith("gmm_megablox")

@@ -13,7 +13,6 @@ import types
 from pathlib import Path
 
 import torch
-
 import torch_tpu  # noqa: F401  (autoloaded by torch already; explicit for clarity)
 
 
@@ -34,10 +33,14 @@ def main(variant: str, case: str):
             op_classes[qualname.split("::")[1]] = type(obj).__name__
     outputs = CASES[case](mod)
     outs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-    print(json.dumps({
-        "op_classes": op_classes,
-        "outputs": [[list(o.shape), str(o.dtype), o.device.type] for o in outs],
-    }))
+    print(
+        json.dumps(
+            {
+                "op_classes": op_classes,
+                "outputs": [[list(o.shape), str(o.dtype), o.device.type] for o in outs],
+            }
+        )
+    )
 
 
 def _toy(mod):
@@ -72,12 +75,22 @@ def _paged_attention(mod):
     q = _meta((seqs, 32, 128))
     cache = _meta((seqs * pages_per_seq, 16, page, 128))
     return mod.ragged_paged_attention(
-        q, cache, _meta((seqs,), torch.int32), _meta((seqs, pages_per_seq), torch.int32),
-        _meta((seqs + 1,), torch.int32), _meta((1,), torch.int32), validate=False)
+        q,
+        cache,
+        _meta((seqs,), torch.int32),
+        _meta((seqs, pages_per_seq), torch.int32),
+        _meta((seqs + 1,), torch.int32),
+        _meta((1,), torch.int32),
+        validate=False,
+    )
 
 
-CASES = {"toy": _toy, "ragged_dot": _ragged_dot, "flash_attention": _flash_attention,
-         "paged_attention": _paged_attention}
+CASES = {
+    "toy": _toy,
+    "ragged_dot": _ragged_dot,
+    "flash_attention": _flash_attention,
+    "paged_attention": _paged_attention,
+}
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

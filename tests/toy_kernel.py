@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import build
-import collection
 
 TOY_ROOT = Path(__file__).resolve().parent / "toy_collection"
 TOY_CONFIG = TOY_ROOT / "build.toml"
@@ -26,7 +25,7 @@ def build_toy(out: Path, config: Path = TOY_CONFIG) -> Path:
     return results[0][1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_toy():
     from kernels import get_local_kernel
 

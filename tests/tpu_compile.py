@@ -25,7 +25,7 @@ def libtpu_available() -> bool:
     return (LIBTPU_DIR / "libtpu").is_dir()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tpu_device(generation: str):
     """Device 0 of a deviceless topology for `generation` ("v5e", "v6e", "tpu7x")."""
     if not libtpu_available():
@@ -42,7 +42,9 @@ def tpu_aval(shape, dtype, generation: str):
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=SingleDeviceSharding(tpu_device(generation)))
+    return jax.ShapeDtypeStruct(
+        tuple(shape), dtype, sharding=SingleDeviceSharding(tpu_device(generation))
+    )
 
 
 def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
@@ -62,3 +64,20 @@ def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
     arrays = {k: to_aval(v) for k, v in kwargs.items() if k not in static_argnames}
     jitted = jax.jit(functools.partial(fn, **statics))
     return jitted.trace(*args, **arrays).lower().compile()
+
+
+# CI (two cores) compiles each kernel at its production shapes for every generation, and the
+# further cases of one kernel (the same kernel at another model's shape, another projection) on
+# one generation each, rotating so that every generation compiles it at some production shape.
+# The long form (HYPOTHESIS_PROFILE=sweep, as for the hypothesis sweeps) compiles every case on
+# every generation.
+LONG_FORM = os.environ.get("HYPOTHESIS_PROFILE") == "sweep"
+
+
+def generation_per_case(cases) -> list:
+    """(generation, *case) parameter tuples: the full product in the long form; in CI, case i on
+    generation i mod 3 (v5e, v6e, TPU7x, v5e, ...)."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    if LONG_FORM:
+        return [(g, *c) for c in cases for g in TESTED_GENERATIONS]
+    return [(TESTED_GENERATIONS[i % len(TESTED_GENERATIONS)], *c) for i, c in enumerate(cases)]

@@ -30,7 +30,8 @@ import inspect
 import os
 import types
 import typing
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,8 @@ __all__ = [
     "to_jax",
     "to_torch",
     "has_torch_tpu",
+    "CompileStats",
+    "count_compiles_only",
 ]
 
 INTERPRET_ENV = "PALLAS_TPU_INTERPRET"
@@ -64,17 +67,9 @@ _CURRENT_INTERPRET: contextvars.ContextVar[Any] = contextvars.ContextVar(
 
 
 def tpu_interpret_params(**overrides):
-    """TPU interpret mode with every check this collection relies on switched on."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    params = dict(
-        detect_races=True,
-        uninitialized_memory="nan",
-        out_of_bounds_reads="raise",
-        dma_execution_mode="on_wait",
-    )
-    params.update(overrides)
-    return pltpu.InterpretParams(**params)
+    """TPU interpret mode with every check this collection relies on switched on (races,
+    NaN-filled memory, raising out-of-bounds reads, DMAs at their wait): tpu_interpreter's."""
+    return _interpreter().checking_params(**overrides)
 
 
 def interpret_mode_from_env() -> str:
@@ -105,13 +100,19 @@ def use_interpret_mode(interpret):
         _CURRENT_INTERPRET.reset(token)
 
 
+def _interpreter():
+    # tpu_interpreter.py is vendored beside this file: a sibling module in a Hub package, a
+    # top-level one when torch-ext/ is on sys.path (the tests). It raises a clear error if jax
+    # moved the interpreter internals it uses, rather than reporting no race.
+    if __package__:
+        from . import tpu_interpreter
+    else:
+        import tpu_interpreter
+    return tpu_interpreter
+
+
 def _races_found() -> bool:
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
-    except ImportError:  # newer jax: the race detector moved; nothing to report.
-        return False
-    races = getattr(_ipc, "races", None)
-    return bool(races is not None and getattr(races, "races_found", False))
+    return _interpreter().races_found()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -180,8 +181,14 @@ def _strip_optional(annotation):
     return annotation, False
 
 
-_BASE_SCHEMA = {jax.Array: "Tensor", torch.Tensor: "Tensor", int: "int", float: "float",
-                bool: "bool", str: "str"}
+_BASE_SCHEMA = {
+    jax.Array: "Tensor",
+    torch.Tensor: "Tensor",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    str: "str",
+}
 
 
 def _param_schema(name: str, annotation) -> str:
@@ -203,7 +210,9 @@ def _return_schema(annotation) -> tuple[str, int | None]:
         args = typing.get_args(annotation)
         if args and all(a in (jax.Array, torch.Tensor) for a in args):
             return "(" + ", ".join("Tensor" for _ in args) + ")", len(args)
-    raise TypeError(f"jax_op return annotation {annotation!r}: expected jax.Array or a tuple of them")
+    raise TypeError(
+        f"jax_op return annotation {annotation!r}: expected jax.Array or a tuple of them"
+    )
 
 
 def _is_tensor_param(annotation) -> bool:
@@ -213,6 +222,55 @@ def _is_tensor_param(annotation) -> bool:
 # -------------------------------------------------------------------------------------------------
 # The op itself
 # -------------------------------------------------------------------------------------------------
+
+
+class CompileStats:
+    """What one op compiled on the CPU path (each op carries one as `op.compile_stats`).
+
+    `keys`: the distinct (interpret mode, tensor shapes and dtypes, static values) the op was
+    called with: the bridge's cache key, the same one torch_tpu's `jax_op` caches on, so
+    `len(keys)` is the number of compilations the op needs. `traces`: how many times JAX traced the
+    op's function (once per compilation). `jax_cache_size()`: executables in JAX's own jit cache.
+    """
+
+    def __init__(self):
+        self.keys: set = set()
+        self.traces = 0
+        self.jitted: dict = {}  # interpret mode -> the op's jax.jit function
+
+    def reset(self) -> None:
+        """Forget the counts (JAX's cache keeps its executables)."""
+        self.keys.clear()
+        self.traces = 0
+
+    def jax_cache_size(self) -> int:
+        return sum(f._cache_size() for f in self.jitted.values())
+
+
+# Inside `count_compiles_only()`, CPU calls of our ops record their compile key and return zeros
+# of the output shapes without tracing or running anything: how tests count the compilations of a
+# long trace of calls whose kernels would be slow to interpret. Process-wide (not a context
+# variable): Transformers' continuous batching calls the ops from its own thread.
+_COUNT_ONLY_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def count_compiles_only():
+    """Ops called on CPU inside this block (from any thread) only record their compile key
+    (`op.compile_stats`) and return zeros: nothing is traced, compiled or run."""
+    _COUNT_ONLY_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _COUNT_ONLY_DEPTH[0] -= 1
+
+
+def _key_part(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, list):
+        return tuple(value)
+    return value
 
 
 def has_torch_tpu() -> bool:
@@ -250,25 +308,33 @@ def jax_op(qualname: str, fn: Callable[..., Any] | None = None, *, fake: Callabl
     signature = inspect.signature(fn, eval_str=True)
     params = list(signature.parameters.values())
     ret_schema, n_out = _return_schema(signature.return_annotation)
-    schema = "(" + ", ".join(
-        f"{_param_schema(p.name, p.annotation)} {p.name}"
-        + ("" if p.default is inspect.Parameter.empty else f"={_schema_default(p.default)}")
-        for p in params
-    ) + f") -> {ret_schema}"
+    schema = (
+        "("
+        + ", ".join(
+            f"{_param_schema(p.name, p.annotation)} {p.name}"
+            + ("" if p.default is inspect.Parameter.empty else f"={_schema_default(p.default)}")
+            for p in params
+        )
+        + f") -> {ret_schema}"
+    )
     tensor_names = [p.name for p in params if _is_tensor_param(p.annotation)]
     static_names = tuple(p.name for p in params if not _is_tensor_param(p.annotation))
 
     # One jitted function per interpret value: the value is read at trace time, so it must be part
     # of the cache key.
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def jitted(interpret_key: str):
         interpret = _interpret_value(interpret_key)
 
         def traced(*args, **kwargs):
+            stats.traces += 1  # runs once per trace, i.e. once per compilation
             with use_interpret_mode(interpret):
                 return fn(*args, **kwargs)
 
-        return jax.jit(traced, static_argnames=static_names)
+        stats.jitted[interpret_key] = jax.jit(traced, static_argnames=static_names)
+        return stats.jitted[interpret_key]
+
+    stats = CompileStats()
 
     def bind(args, kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -278,6 +344,10 @@ def jax_op(qualname: str, fn: Callable[..., Any] | None = None, *, fake: Callabl
     def cpu_impl(*args, **kwargs):
         arguments = bind(args, kwargs)
         mode = interpret_mode_from_env()
+        stats.keys.add((mode,) + tuple((n, _key_part(v)) for n, v in arguments.items()))
+        if _COUNT_ONLY_DEPTH[0]:
+            outs = fake_impl(*args, **kwargs)
+            return tuple(o.zero_() for o in outs) if n_out is not None else outs.zero_()
         jax_args = {
             name: (to_jax(value) if name in tensor_names and value is not None else value)
             for name, value in arguments.items()
@@ -337,6 +407,7 @@ def jax_op(qualname: str, fn: Callable[..., Any] | None = None, *, fake: Callabl
         op = torch.library.custom_op(qualname, cpu_impl, mutates_args=(), schema=schema)
         op.register_fake(fake_impl)
     op.jax_fn = fn
+    op.compile_stats = stats
     return op
 
 

@@ -4,6 +4,22 @@ Shared by every kernel's `tiling.py` (VMEM budget models) and by the benchmarks 
 Per JAX device (one TensorCore; on TPU7x each core is its own device). Numbers from the Google
 Cloud TPU documentation and jax's tpu_info; see README "TPU generations".
 
+Tile policy: the contract every family's `tiling.py` follows (tests/test_shared_contract.py
+checks it for every family):
+
+- `vmem_budget_bytes(gen)`: the family's VMEM budget, read from `vmem_budget_bytes(gen, family)`
+  here (one place for all families and generations); a tile candidate whose budget-model need
+  exceeds it is never chosen.
+- `choose_tiles(*, <the problem as keywords>, generation=None, override=None)`: the family's frozen
+  tiles dataclass, with a `vmem_limit_bytes` field (None: `vmem_limit_bytes(gen, need)`), for
+  `generation` (a name; None: `get_generation()`); `override` wins.
+- `estimate_cost(<the problem>, ..., tiles=None, generation=None)`: the `KernelCost` of one call
+  at `tiles` (None: what `choose_tiles` picks), `vmem_bytes` its budget-model need.
+
+The problem arguments are each family's own. How candidates are ranked is not yet shared:
+flash_attention ranks by `KernelCost.modelled_seconds`, ragged_dot by compute plus traffic time,
+paged_attention takes the first fitting entry of a fixed preference list.
+
 Vendored into every Hub package at build time: no imports from the collection.
 """
 
@@ -43,35 +59,72 @@ GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
         TpuGeneration(
-            name="v5e", topology="v5e:2x2", device_kinds=("TPU v5 lite", "TPU v5e"),
-            vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
-            mxu_size=128, bf16_sublanes=16, bf16_flops=197e12, int8_ops=393e12, fp8_flops=None,
-            hbm_bytes_per_s=819e9, clock_hz=1.5e9,
+            name="v5e",
+            topology="v5e:2x2",
+            device_kinds=("TPU v5 lite", "TPU v5e"),
+            vmem_bytes=128 * MiB,
+            smem_bytes=1 * MiB,
+            scoped_vmem_default_bytes=16 * MiB,
+            mxu_size=128,
+            bf16_sublanes=16,
+            bf16_flops=197e12,
+            int8_ops=393e12,
+            fp8_flops=None,
+            hbm_bytes_per_s=819e9,
+            clock_hz=1.5e9,
             clock_source="197 TFLOP/s / (4 MXUs x 128x128 x 2 FLOP) = 1.50 GHz (derived, assumed)",
         ),
         TpuGeneration(
-            name="v5p", topology="v5p:2x2x1", device_kinds=("TPU v5", "TPU v5p"),
-            vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=16 * MiB,
-            mxu_size=128, bf16_sublanes=16, bf16_flops=459e12, int8_ops=918e12, fp8_flops=459e12,
-            hbm_bytes_per_s=2765e9, cores_per_device=2, clock_hz=1.75e9,
+            name="v5p",
+            topology="v5p:2x2x1",
+            device_kinds=("TPU v5", "TPU v5p"),
+            vmem_bytes=64 * MiB,
+            smem_bytes=1 * MiB,
+            scoped_vmem_default_bytes=16 * MiB,
+            mxu_size=128,
+            bf16_sublanes=16,
+            bf16_flops=459e12,
+            int8_ops=918e12,
+            fp8_flops=459e12,
+            hbm_bytes_per_s=2765e9,
+            cores_per_device=2,
+            clock_hz=1.75e9,
             clock_source="459 TFLOP/s / 2 cores / (4 MXUs x 128x128 x 2 FLOP) = 1.75 GHz "
-                         "(derived, assumed)",
+            "(derived, assumed)",
         ),
         TpuGeneration(
-            name="v6e", topology="v6e:2x2", device_kinds=("TPU v6 lite", "TPU v6e"),
-            vmem_bytes=128 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
-            mxu_size=256, bf16_sublanes=16, bf16_flops=918e12, int8_ops=1836e12, fp8_flops=918e12,
-            hbm_bytes_per_s=1638e9, clock_hz=1.75e9,
+            name="v6e",
+            topology="v6e:2x2",
+            device_kinds=("TPU v6 lite", "TPU v6e"),
+            vmem_bytes=128 * MiB,
+            smem_bytes=1 * MiB,
+            scoped_vmem_default_bytes=32 * MiB,
+            mxu_size=256,
+            bf16_sublanes=16,
+            bf16_flops=918e12,
+            int8_ops=1836e12,
+            fp8_flops=918e12,
+            hbm_bytes_per_s=1638e9,
+            clock_hz=1.75e9,
             clock_source="918 TFLOP/s / 524,288 FLOP per cycle = 1.75 GHz (the figure "
-                         "compiled-schedule.md assumes; derived, assumed)",
+            "compiled-schedule.md assumes; derived, assumed)",
         ),
         TpuGeneration(
-            name="tpu7x", topology="tpu7x:2x2x1", device_kinds=("TPU7x", "TPU v7", "TPU v7x"),
-            vmem_bytes=64 * MiB, smem_bytes=1 * MiB, scoped_vmem_default_bytes=32 * MiB,
-            mxu_size=256, bf16_sublanes=16, bf16_flops=1153e12, int8_ops=None, fp8_flops=2307e12,
-            hbm_bytes_per_s=3.7e12, clock_hz=2.2e9,
+            name="tpu7x",
+            topology="tpu7x:2x2x1",
+            device_kinds=("TPU7x", "TPU v7", "TPU v7x"),
+            vmem_bytes=64 * MiB,
+            smem_bytes=1 * MiB,
+            scoped_vmem_default_bytes=32 * MiB,
+            mxu_size=256,
+            bf16_sublanes=16,
+            bf16_flops=1153e12,
+            int8_ops=None,
+            fp8_flops=2307e12,
+            hbm_bytes_per_s=3.7e12,
+            clock_hz=2.2e9,
             clock_source="1153 TFLOP/s per core / (4 MXUs x 256x256 x 2 FLOP) = 2.2 GHz "
-                         "(derived, assumed)",
+            "(derived, assumed)",
         ),
     )
 }
@@ -111,11 +164,54 @@ def detect_generation() -> str | None:
     return generation_of_device_kind(devices[0].device_kind) if devices else None
 
 
+def vmem_capacity_bytes(gen: TpuGeneration) -> int:
+    """The most VMEM any kernel of the collection asks Mosaic for (the cap of `vmem_limit_bytes`):
+    3/4 of the core's physical VMEM, the rest left to XLA's own fusions around the kernels."""
+    return gen.vmem_bytes * 3 // 4
+
+
+# vmem_limit_bytes asks for the budget model's need times this, plus this many bytes: headroom for
+# Mosaic's internal scratch the models do not count.
+VMEM_LIMIT_MARGIN = 1.25
+VMEM_LIMIT_EXTRA_BYTES = 2 * MiB
+
+
 def vmem_limit_bytes(gen: TpuGeneration, needed_bytes: int) -> int:
     """The `vmem_limit_bytes` to ask Mosaic for: the budget model's need plus headroom for
-    Mosaic's own scratch, never below the default scoped limit, never above 3/4 of physical VMEM."""
-    want = max(gen.scoped_vmem_default_bytes, int(needed_bytes * 1.25) + 2 * MiB)
-    return min(want, gen.vmem_bytes * 3 // 4)
+    Mosaic's own scratch, never below the default scoped limit, never above the capacity."""
+    want = max(
+        gen.scoped_vmem_default_bytes,
+        int(needed_bytes * VMEM_LIMIT_MARGIN) + VMEM_LIMIT_EXTRA_BYTES,
+    )
+    return min(want, vmem_capacity_bytes(gen))
+
+
+# The VMEM each family's tile search may fill, as a share of the one per-generation capacity
+# above. The three shares are the effective budgets the families had when the collection was
+# unified (v6e: 75.2, 64 and 36 MiB of the 96 MiB capacity; TPU7x: 36.8, 32 and 24 MiB). One
+# common share would change default tiles at production shapes, and with them the compiled
+# programs that benchmarks/results/results.md describes, so they are kept, named here and nowhere
+# else; making them one is a tile-policy change to be checked on the compiled schedules.
+VMEM_BUDGET_FAMILIES = ("flash_attention", "ragged_dot", "paged_attention")
+
+
+def vmem_budget_bytes(gen: TpuGeneration, family: str) -> int:
+    """VMEM the tile search of `family` may fill on `gen` (every family's tiling reads it here).
+
+    flash_attention: all of the capacity that `vmem_limit_bytes` can still grant after its
+      headroom: (capacity - 2 MiB) / 1.25.
+    ragged_dot: 2/3 of the capacity (half the physical VMEM).
+    paged_attention: 3/4 of the larger of the default scoped limit and half the capacity (its
+      fixed tile preference list takes the first entry that fits).
+    """
+    cap = vmem_capacity_bytes(gen)
+    if family == "flash_attention":
+        return int((cap - VMEM_LIMIT_EXTRA_BYTES) / VMEM_LIMIT_MARGIN)
+    if family == "ragged_dot":
+        return cap * 2 // 3
+    if family == "paged_attention":
+        return max(gen.scoped_vmem_default_bytes, cap // 2) * 3 // 4
+    raise ValueError(f"unknown kernel family {family!r}; expected one of {VMEM_BUDGET_FAMILIES}")
 
 
 @dataclasses.dataclass(frozen=True)

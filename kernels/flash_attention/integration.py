@@ -31,8 +31,14 @@ from . import ops
 # Transformers treats any name containing "flash" as a flash-attn package to import: avoid it.
 DEFAULT_NAME = "pallas_tpu_attention"
 
-__all__ = ["attention_forward", "diffusers_attention", "JointAttnDispatchProcessor",
-           "use_dispatcher", "register", "DEFAULT_NAME"]
+__all__ = [
+    "attention_forward",
+    "diffusers_attention",
+    "JointAttnDispatchProcessor",
+    "use_dispatcher",
+    "register",
+    "DEFAULT_NAME",
+]
 
 
 def _cu_seqlens(mask2d: torch.Tensor) -> torch.Tensor:
@@ -40,8 +46,20 @@ def _cu_seqlens(mask2d: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
 
 
-def attention_forward(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """Transformers attention function -> (out [B, S, Hq, D], None)."""
     if dropout and getattr(module, "training", False):
         raise NotImplementedError("attention dropout is not implemented in flash-attention-tpu")
@@ -59,15 +77,21 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
         window = (int(sliding_window) - 1, -1 if is_causal else int(sliding_window) - 1)
     if s_aux is not None:
         s_aux = s_aux.to(torch.float32) if q.dtype == torch.float32 else s_aux
-    common = dict(softmax_scale=scaling, causal=bool(is_causal), window_size=window,
-                  softcap=float(softcap) if softcap else 0.0, s_aux=s_aux)
+    common = dict(
+        softmax_scale=scaling,
+        causal=bool(is_causal),
+        window_size=window,
+        softcap=float(softcap) if softcap else 0.0,
+        s_aux=s_aux,
+    )
 
     mask2d = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)}: expected the 2-D padding mask "
-                "[batch, kv_len] that the flash-attention mask function produces (register() sets it)")
+                "[batch, kv_len] that the flash-attention mask function produces (register() sets it)"
+            )
         mask2d = attention_mask[:, -Sk:].to(torch.bool)
         if bool(mask2d.all()):
             mask2d = None
@@ -81,8 +105,9 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
     kp = k.reshape(B * Sk, *k.shape[2:]).index_select(0, idx_k)
     vp = v.reshape(B * Sk, *v.shape[2:]).index_select(0, idx_k)
     qp = q.reshape(B * Sq, Hq, D).index_select(0, idx_q)
-    out_p = ops.flash_attn_varlen_func(qp, kp, vp, _cu_seqlens(q_mask), _cu_seqlens(mask2d),
-                                       **common)
+    out_p = ops.flash_attn_varlen_func(
+        qp, kp, vp, _cu_seqlens(q_mask), _cu_seqlens(mask2d), **common
+    )
     out = out_p.new_zeros((B * Sq, Hq, out_p.shape[-1])).index_copy(0, idx_q, out_p)
     return out.reshape(B, Sq, Hq, -1), None
 
@@ -104,14 +129,18 @@ def _bool_mask(attn_mask: torch.Tensor) -> torch.Tensor:
     if attn_mask.dtype == torch.bool:
         return attn_mask
     if not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask has dtype {attn_mask.dtype}: pass a bool mask (True = attend) "
-                        "or an additive float mask of 0 / -inf")
+        raise TypeError(
+            f"attn_mask has dtype {attn_mask.dtype}: pass a bool mask (True = attend) "
+            "or an additive float mask of 0 / -inf"
+        )
     keep = attn_mask == 0
     dropped = attn_mask <= torch.finfo(attn_mask.dtype).min
     if not bool((keep | dropped).all()):
-        raise ValueError("attn_mask is a float mask with values other than 0 and -inf: an arbitrary "
-                         "additive attention bias is not supported by flash-attention-tpu (only "
-                         "masks that keep or drop keys); use the 'native' backend for it")
+        raise ValueError(
+            "attn_mask is a float mask with values other than 0 and -inf: an arbitrary "
+            "additive attention bias is not supported by flash-attention-tpu (only "
+            "masks that keep or drop keys); use the 'native' backend for it"
+        )
     return keep
 
 
@@ -123,11 +152,14 @@ def _mask_4d(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> torch.Tens
     if not 1 <= mask.dim() <= 4:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)}: expected 1-4 dims")
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    for size, full, what in zip(m.shape, (b, h, sq, sk), ("batch", "heads", "query length",
-                                                          "key length")):
+    for size, full, what in zip(
+        m.shape, (b, h, sq, sk), ("batch", "heads", "query length", "key length")
+    ):
         if size not in (1, full) or (what == "key length" and size != full):
-            raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
-                             f"[batch={b}, heads={h}, q_len={sq}, kv_len={sk}] ({what})")
+            raise ValueError(
+                f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"[batch={b}, heads={h}, q_len={sq}, kv_len={sk}] ({what})"
+            )
     return m
 
 
@@ -153,7 +185,8 @@ def _pack_plan(mask: torch.Tensor, b: int, sq: int, sk: int):
                 f"attn_mask has {patterns.shape[0]} distinct query rows in batch element {i} (at most "
                 f"{MAX_MASK_PATTERNS} supported): flash-attention-tpu takes padding-style masks "
                 "(query and key padding, blocks), not an arbitrary dense mask; use causal=True for "
-                "causal masks or the 'native' backend")
+                "causal masks or the 'native' backend"
+            )
         for p in range(patterns.shape[0]):
             keys = torch.nonzero(patterns[p], as_tuple=False).flatten()
             if keys.numel() == 0:
@@ -169,11 +202,19 @@ def _pack_plan(mask: torch.Tensor, b: int, sq: int, sk: int):
     return torch.cat(q_parts), torch.cat(k_parts), cu(lens_q), cu(lens_k)
 
 
-def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        is_causal: bool = False, scale: float | None = None,
-                        enable_gqa: bool = False, window_size: tuple[int, int] = (-1, -1),
-                        return_lse: bool = False, _parallel_config=None) -> torch.Tensor:
+def diffusers_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+    _parallel_config=None,
+) -> torch.Tensor:
     """Diffusers attention backend: query [B, Sq, Hq, D], key/value [B, Sk, Hkv, D] (Hq a multiple
     of Hkv: GQA needs no repeat) -> [B, Sq, Hq, D]. `attn_mask` (bool, True = attend, or additive
     0 / -inf) may be a key-padding mask ([B, Sk], [B, 1, 1, Sk], ...) or a padding-style mask over
@@ -182,25 +223,33 @@ def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     masks, return_lse, context parallelism, is_causal with Sq != Sk (SDPA aligns it top-left)."""
     del enable_gqa  # the kernel takes Hkv < Hq as it is
     if _parallel_config is not None:
-        raise NotImplementedError("context parallelism is not supported by the flash-attention-tpu "
-                                  "diffusers backend")
+        raise NotImplementedError(
+            "context parallelism is not supported by the flash-attention-tpu diffusers backend"
+        )
     if return_lse:
-        raise NotImplementedError("return_lse=True is not supported by the flash-attention-tpu "
-                                  "diffusers backend")
+        raise NotImplementedError(
+            "return_lse=True is not supported by the flash-attention-tpu diffusers backend"
+        )
     if dropout_p:
-        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not implemented in "
-                                  "flash-attention-tpu; pass 0.0")
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: attention dropout is not implemented in "
+            "flash-attention-tpu; pass 0.0"
+        )
     for arg, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{arg} must be a 4-D tensor [batch, seq_len, heads, head_dim], got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
+            raise ValueError(
+                f"{arg} must be a 4-D tensor [batch, seq_len, heads, head_dim], got "
+                f"{getattr(t, 'shape', type(t).__name__)}"
+            )
     b, sq, hq, _ = query.shape
     sk = key.shape[1]
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True with an attn_mask: pass one of them")
     if is_causal and sq != sk:
-        raise ValueError(f"is_causal=True with q_len {sq} != kv_len {sk}: SDPA aligns the causal "
-                         "mask top-left, flash-attention-tpu bottom-right; pass an explicit mask")
+        raise ValueError(
+            f"is_causal=True with q_len {sq} != kv_len {sk}: SDPA aligns the causal "
+            "mask top-left, flash-attention-tpu bottom-right; pass an explicit mask"
+        )
     common = dict(softmax_scale=scale, causal=bool(is_causal), window_size=window_size)
     if attn_mask is None:
         return ops.flash_attn_func(query, key, value, **common)
@@ -208,8 +257,10 @@ def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     mask = _mask_4d(_bool_mask(attn_mask), b, hq, sq, sk)
     if mask.shape[1] > 1:
         if not bool((mask == mask[:, :1]).all()):
-            raise ValueError("attn_mask differs between heads: per-head masks are not supported by "
-                             "flash-attention-tpu")
+            raise ValueError(
+                "attn_mask differs between heads: per-head masks are not supported by "
+                "flash-attention-tpu"
+            )
         mask = mask[:, :1]
     if bool(mask.all()):
         return ops.flash_attn_func(query, key, value, **common)
@@ -234,9 +285,15 @@ class JointAttnDispatchProcessor:
     _attention_backend = None
     _parallel_config = None
 
-    def __call__(self, attn, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, *args, **kwargs):
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         batch = hidden_states.shape[0]
@@ -264,9 +321,14 @@ class JointAttnDispatchProcessor:
             key = torch.cat([key, text_k], dim=1)
             value = torch.cat([value, text_v], dim=1)
 
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
-                                    backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is not None:
             out, text_out = out[:, :n_image], out[:, n_image:]
@@ -314,8 +376,9 @@ def _diffusers_backend_member(name: str):
 def _register_diffusers(name: str) -> None:
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    _AttentionBackendRegistry.register(_diffusers_backend_member(name), constraints=[],
-                                       supports_context_parallel=False)(diffusers_attention)
+    _AttentionBackendRegistry.register(
+        _diffusers_backend_member(name), constraints=[], supports_context_parallel=False
+    )(diffusers_attention)
 
 
 def register(name: str = DEFAULT_NAME) -> str:

@@ -64,166 +64,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import tiling as _tiling
+from .schedule import (
+    LAYOUT,
+    UNBOUNDED,
+    Band,
+    ListLayout,
+    build_work_list,
+    max_work_items,
+    per_batch_lists_fit,
+)
+from .tiling import NUM_LANES, NUM_SUBLANES
+from .work_list import COMPUTE, FIRST, LAST, VALID  # noqa: F401  (VALID: the shared flag set)
 
 # A finite "minus infinity": max/exp arithmetic on fully masked rows stays NaN-free.
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)
 # lse of a row that sees nothing: exp(s - BIG_LSE) is 0 for any finite score.
 BIG_LSE = 0.7 * float(np.finfo(np.float32).max)
-_UNBOUNDED = 1 << 30
-NUM_LANES = 128
-NUM_SUBLANES = 8
-
-# Flag bits of a work item.
-VALID, FIRST, LAST = 1, 2, 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Band:
-    """Allowed key/query distance d = (u - t + offset): lo <= d <= hi."""
-
-    lo: int
-    hi: int
-
-    @staticmethod
-    def make(causal: bool, window_left: int, window_right: int) -> "Band":
-        hi = _UNBOUNDED if window_right < 0 else window_right
-        if causal:
-            hi = min(hi, 0)
-        lo = -_UNBOUNDED if window_left < 0 else -window_left
-        return Band(lo, hi)
-
-    @property
-    def full(self) -> bool:
-        return self.lo <= -_UNBOUNDED and self.hi >= _UNBOUNDED
-
-
-# -------------------------------------------------------------------------------------------------
-# Work list
-# -------------------------------------------------------------------------------------------------
-
-
-def _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, off, band: Band):
-    """Whether rows [q_lo, q_hi) x keys [k_lo, k_hi) (half-open, already clipped to the sequence)
-    contain an allowed pair. d = u - t + off ranges over [k_lo - (q_hi-1) + off, (k_hi-1) - q_lo + off]
-    and takes every integer value in it, so the band test is an interval intersection."""
-    ok = (q_lo < q_hi) & (k_lo < k_hi)
-    if band.hi < _UNBOUNDED:
-        ok = ok & (k_lo - (q_hi - 1) + off <= band.hi)
-    if band.lo > -_UNBOUNDED:
-        ok = ok & ((k_hi - 1) - q_lo + off >= band.lo)
-    return ok
-
-
-def _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major, segment_ranges=None):
-    """Non-empty mask over candidates in list order: [outer, seq, inner]."""
-    q_lo_s, q_hi_s, k_lo_s, k_hi_s, off_s = (xp.asarray(a) for a in seqs)
-    qi = xp.arange(nq, dtype=np.int32)
-    ki = xp.arange(nk, dtype=np.int32)
-    if kv_major:
-        qi_b = qi[None, None, :]
-        ki_b = ki[:, None, None]
-    else:
-        qi_b = qi[:, None, None]
-        ki_b = ki[None, None, :]
-    s = lambda a: a[None, :, None]  # noqa: E731
-    q_lo = xp.maximum(qi_b * block_q, s(q_lo_s))
-    q_hi = xp.minimum((qi_b + 1) * block_q, s(q_hi_s))
-    k_lo = xp.maximum(ki_b * block_kv, s(k_lo_s))
-    k_hi = xp.minimum((ki_b + 1) * block_kv, s(k_hi_s))
-    ok = _rect_nonempty(xp, q_lo, q_hi, k_lo, k_hi, s(off_s), band)
-    if segment_ranges is not None:
-        # A pair whose q block and kv block hold disjoint ranges of segment ids has no allowed
-        # (query, key) pair: exact for packed (sorted) ids, never wrong for any ids.
-        q_min, q_max, k_min, k_max = segment_ranges
-        ok = ok & (q_min[qi_b] <= k_max[ki_b]) & (k_min[ki_b] <= q_max[qi_b])
-    n_seq = q_lo_s.shape[0]
-    outer = nk if kv_major else nq
-    inner = nq if kv_major else nk
-    shape = (outer, n_seq, inner)
-    qi_f = xp.broadcast_to(qi_b, shape)
-    ki_f = xp.broadcast_to(ki_b, shape)
-    si_f = xp.broadcast_to(xp.arange(n_seq, dtype=np.int32)[None, :, None], shape)
-    return ok, qi_f, ki_f, si_f
-
-
-def build_work_list(seqs, nq, nk, block_q, block_kv, band: Band, *, kv_major: bool,
-                    max_items: Optional[int] = None, segment_ranges=None):
-    """The items as an int32 array [4, L]: rows q block, kv block, sequence, flags.
-
-    `seqs` = (q_lo, q_hi, k_lo, k_hi, offset), int32 [n_seq] each; `segment_ranges` = (min, max)
-    segment id of each q block and of each kv block ([nq], [nq], [nk], [nk]), for one batch row.
-    With numpy inputs (everything static) L is the exact number of items; with jnp inputs
-    L = `max_items` (a static bound) and the tail repeats the last item with flags 0.
-    """
-    arrays = tuple(seqs) + tuple(segment_ranges or ())
-    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-    ok, qi, ki, si = _candidates(xp, seqs, nq, nk, block_q, block_kv, band, kv_major,
-                                 segment_ranges)
-    outer_n = ok.shape[0]
-    # One dummy candidate per outer block, live only when the block has no pair: its output must
-    # still be written.
-    has_any = ok.reshape(outer_n, -1).any(axis=1)
-    dummy = ~has_any
-    outer_idx = xp.arange(outer_n, dtype=np.int32)
-    ok = xp.concatenate([ok.reshape(outer_n, -1), dummy[:, None]], axis=1).reshape(-1)
-    zeros = xp.zeros((outer_n, 1), np.int32)
-    if kv_major:
-        qcol, kcol = zeros, outer_idx[:, None]
-    else:
-        qcol, kcol = outer_idx[:, None], zeros
-    qi = xp.concatenate([qi.reshape(outer_n, -1), qcol], axis=1).reshape(-1)
-    ki = xp.concatenate([ki.reshape(outer_n, -1), kcol], axis=1).reshape(-1)
-    si = xp.concatenate([si.reshape(outer_n, -1), zeros], axis=1).reshape(-1)
-    n_cand = qi.shape[0] // outer_n - 1
-    real = xp.concatenate([xp.ones((outer_n, n_cand), bool), xp.zeros((outer_n, 1), bool)],
-                          axis=1).reshape(-1)
-    if xp is np:
-        sel = np.nonzero(ok)[0]
-        qi, ki, si, real = qi[sel], ki[sel], si[sel], real[sel]
-        count = len(sel)
-        length = count
-    else:
-        count = ok.sum().astype(jnp.int32)
-        length = int(max_items)
-        pos = jnp.where(ok, jnp.cumsum(ok) - 1, length)
-        scatter = lambda a: jnp.zeros((length,), a.dtype).at[pos].set(a, mode="drop")  # noqa: E731
-        qi, ki, si, real = scatter(qi), scatter(ki), scatter(si), scatter(real)
-    idx = xp.arange(length, dtype=np.int32)
-    live = idx < count
-    # Dummy items borrow the previous real item's inner block index, so they cost no extra DMA.
-    last_real = _cummax(xp, xp.where(real & live, idx, -1))
-    src = xp.maximum(last_real, 0)
-    if kv_major:
-        qi = xp.where(real, qi, qi[src])
-    else:
-        ki = xp.where(real, ki, ki[src])
-    # Padding items repeat the last live item: same block indices, no copy.
-    last = xp.maximum(count - 1, 0)
-    qi = xp.where(live, qi, qi[last])
-    ki = xp.where(live, ki, ki[last])
-    si = xp.where(live, si, si[last])
-    outer = ki if kv_major else qi
-    prev = xp.concatenate([xp.full((1,), -1, np.int32), outer[:-1]])
-    nxt = xp.concatenate([outer[1:], xp.full((1,), -1, np.int32)])
-    first = live & (prev != outer)
-    lastf = live & ((nxt != outer) | (idx == count - 1))
-    flags = (xp.where(live & real, VALID, 0) | xp.where(first, FIRST, 0)
-             | xp.where(lastf, LAST, 0)).astype(np.int32)
-    return xp.stack([qi.astype(np.int32), ki.astype(np.int32), si.astype(np.int32), flags])
-
-
-def _cummax(xp, a):
-    if xp is np:
-        return np.maximum.accumulate(a) if a.size else a
-    return jax.lax.cummax(a, axis=0)
-
-
-def max_work_items(n_seq: int, nq: int, nk: int) -> int:
-    """A static bound on the list length for `n_seq` packed sequences: each sequence's blocks form
-    a rectangle, and the rectangles' sides sum to at most nq + n_seq - 1 (nk + n_seq - 1), plus one
-    dummy per outer block."""
-    pairs = min(n_seq * nq * nk, (nq + n_seq - 1) * (nk + n_seq - 1))
-    return pairs + max(nq, nk)
+_UNBOUNDED = UNBOUNDED
 
 
 # -------------------------------------------------------------------------------------------------
@@ -300,16 +157,21 @@ def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
     first, in_first, in_end, end = ranges
     one = (lambda i, masked: tile_fn([i], masked)) if unroll else tile_fn
     if has_segments:
+
         def body(i, _):
             if meets is None:
                 one(i, True)
             else:
                 pl.when(meets(i))(lambda: one(i, True))
+
         jax.lax.fori_loop(first, end, body, None)
         return
     if not unroll:
-        for lo, hi, masked in ((first, in_first, True), (in_first, in_end, False),
-                               (in_end, end, True)):
+        for lo, hi, masked in (
+            (first, in_first, True),
+            (in_first, in_end, False),
+            (in_end, end, True),
+        ):
             jax.lax.fori_loop(lo, hi, lambda i, _, masked=masked: one(i, masked), None)
         return
     log_u = unroll.bit_length() - 1
@@ -320,8 +182,11 @@ def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
         n = hi - lo  # >= 0; shifts and masks lower everywhere, integer division does not
         full = n >> log_u
         jax.lax.fori_loop(
-            0, full, lambda g, _: tile_fn([lo + (g << log_u) + u for u in range(unroll)], masked),
-            None)
+            0,
+            full,
+            lambda g, _: tile_fn([lo + (g << log_u) + u for u in range(unroll)], masked),
+            None,
+        )
         if not remainder:
             return lo + (full << log_u)
         base = lo + (full << log_u)
@@ -329,7 +194,8 @@ def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
         while size >= 1:
             start = base + (n & (unroll - 1) & ~(2 * size - 1))
             pl.when((n & size) != 0)(
-                lambda start=start, size=size: tile_fn([start + u for u in range(size)], masked))
+                lambda start=start, size=size: tile_fn([start + u for u in range(size)], masked)
+            )
             size //= 2
         return hi
 
@@ -354,8 +220,9 @@ def _documents_meet(ranges_ref, shape, b, gq, gk):
     batch, n_qt, n_ks = shape
     q = b * n_qt + gq
     k = 2 * batch * n_qt + b * n_ks + gk
-    return ((ranges_ref[q] <= ranges_ref[k + batch * n_ks])
-            & (ranges_ref[k] <= ranges_ref[batch * n_qt + q]))
+    return (ranges_ref[q] <= ranges_ref[k + batch * n_ks]) & (
+        ranges_ref[k] <= ranges_ref[batch * n_qt + q]
+    )
 
 
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
@@ -397,8 +264,23 @@ def _fwd_tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     return mask
 
 
-def _walk_q_tiles(tile, *, b, qi, ki, block_q, block_kv, bqc, bkc, seq, band, has_segments,
-                  tile_ranges, ranges_ref, unroll=None):
+def _walk_q_tiles(
+    tile,
+    *,
+    b,
+    qi,
+    ki,
+    block_q,
+    block_kv,
+    bqc,
+    bkc,
+    seq,
+    band,
+    has_segments,
+    tile_ranges,
+    ranges_ref,
+    unroll=None,
+):
     """Forward and dq: for each q compute tile of the item's q block (query tokens [t0, t0 + bqc),
     the G heads' rows r0 ... r0 + bqc), tile(r0, t0, c, masked) over the kv slices c of the item's
     kv block that the band lets it see."""
@@ -407,14 +289,28 @@ def _walk_q_tiles(tile, *, b, qi, ki, block_q, block_kv, bqc, bkc, seq, band, ha
     def q_tile(j, _):
         r0 = pl.multiple_of(j * bqc, bqc)
         t0 = qi * block_q + r0
-        ranges = _inner_ranges(t0, bqc, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
-                               ki * block_kv, block_kv, bkc)
+        ranges = _inner_ranges(
+            t0,
+            bqc,
+            (q_seq_lo, q_seq_hi),
+            (k_seq_lo, k_seq_hi),
+            off,
+            band,
+            ki * block_kv,
+            block_kv,
+            bkc,
+        )
         meets = None
         if tile_ranges:
             gq, gk = qi * (block_q // bqc) + j, ki * (block_kv // bkc)
             meets = lambda c: _documents_meet(ranges_ref, tile_ranges, b, gq, gk + c)  # noqa: E731
-        _visit(ranges, lambda c, masked: tile(r0, t0, c, masked), has_segments=has_segments,
-               meets=meets, unroll=unroll)
+        _visit(
+            ranges,
+            lambda c, masked: tile(r0, t0, c, masked),
+            has_segments=has_segments,
+            meets=meets,
+            unroll=unroll,
+        )
         return None
 
     jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
@@ -428,24 +324,10 @@ def _scores(s, scale, softcap):
     return s * scale, None
 
 
-@dataclasses.dataclass(frozen=True)
-class ListLayout:
-    """Where the fields of item i sit in the flat SMEM work list: four consecutive rows of n_items
-    (q block, kv block, sequence slot, flags), either one list for the whole batch or, when
-    segment ids make the non-empty pairs differ between batch rows, one list per row."""
-
-    n_items: int
-    per_batch: bool = False
-
-    def field(self, items, b, i, field):
-        base = b * (4 * self.n_items) if self.per_batch else 0
-        return items[base + field * self.n_items + i]
-
-
 def _current_item(items_ref, layout: ListLayout):
     """(q block, kv block, sequence slot, flags) of the work item this grid step runs."""
     b, i = pl.program_id(0), pl.program_id(2)
-    return tuple(layout.field(items_ref, b, i, f) for f in range(4))
+    return tuple(layout.field(items_ref, b, i, name) for name in LAYOUT.fields)
 
 
 def _pop_segment_refs(refs, has_segments):
@@ -481,25 +363,46 @@ def _row_reduce(x, op):
     elementwise first, so only one cross-lane reduction per 8 rows remains."""
     n = x.shape[1]
     if n > NUM_LANES and n % NUM_LANES == 0:
-        parts = [x[:, i * NUM_LANES:(i + 1) * NUM_LANES] for i in range(n // NUM_LANES)]
+        parts = [x[:, i * NUM_LANES : (i + 1) * NUM_LANES] for i in range(n // NUM_LANES)]
         while len(parts) > 1:
-            parts = [op(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i]
-                     for i in range(0, len(parts), 2)]
+            parts = [
+                op(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i]
+                for i in range(0, len(parts), 2)
+            ]
         x = parts[0]
     red = jnp.max if op is jnp.maximum else jnp.sum
     return jnp.broadcast_to(red(x, axis=1, keepdims=True), (x.shape[0], NUM_LANES))
 
 
-def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
-                block_q_compute, block_kv_compute, band, scale, softcap, has_sinks, has_segments,
-                tile_ranges, unroll):
+def _fwd_kernel(
+    items_ref,
+    seq_ref,
+    *refs,
+    layout,
+    n_seq,
+    groups,
+    block_q,
+    block_kv,
+    block_q_compute,
+    block_kv_compute,
+    band,
+    scale,
+    softcap,
+    has_sinks,
+    has_segments,
+    tile_ranges,
+    unroll,
+):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     ranges_ref = refs.pop(0) if tile_ranges else None
     q_ref, k_ref, v_ref = refs[:3]
     (qseg_ref, kseg_ref), refs = _pop_segment_refs(refs[3:], has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    b, h = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in loops
+    b, h = (
+        pl.program_id(0),
+        pl.program_id(1),
+    )  # read here: interpret mode has no program_id in loops
     qi, ki, si, flags = _current_item(items_ref, layout)
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
@@ -515,8 +418,9 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         if has_sinks:
             # The sink joins the denominator: start the running max at it with sum exp(0) = 1.
             for g in range(groups):
-                m_ref[g] = jnp.full((block_q, NUM_LANES), sinks_ref[h * groups + g] * LOG2E,
-                                    jnp.float32)
+                m_ref[g] = jnp.full(
+                    (block_q, NUM_LANES), sinks_ref[h * groups + g] * LOG2E, jnp.float32
+                )
             l_ref[...] = jnp.ones_like(l_ref)
         else:
             m_ref[...] = jnp.full_like(m_ref, NEG_INF)
@@ -528,9 +432,12 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         # rather than into every score: one multiply per q element instead of per score.
         q = q_ref[:, rows, :].reshape(rows_c, D)
         q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
-        return [q, m_ref[:, rows, :].reshape(rows_c, NUM_LANES),
-                l_ref[:, rows, :].reshape(rows_c, NUM_LANES),
-                acc_ref[:, rows, :].reshape(rows_c, D)]
+        return [
+            q,
+            m_ref[:, rows, :].reshape(rows_c, NUM_LANES),
+            l_ref[:, rows, :].reshape(rows_c, NUM_LANES),
+            acc_ref[:, rows, :].reshape(rows_c, D),
+        ]
 
     def store(r0, state):
         rows = pl.ds(r0, bqc)
@@ -544,8 +451,9 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         the running statistics, which stay values (lane-replicated [rows, 128])."""
         q, m, l, acc = state
         keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
-        s = jax.lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(
+            q, k_ref[keys, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
         if softcap:
             s = jnp.tanh(s) * (softcap * LOG2E)
         if masked:
@@ -559,8 +467,12 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         p = jnp.exp2(s - _lanes(m_new, bkc))
         alpha = jnp.exp2(m - m_new)
         l = alpha * l + _row_reduce(p, jnp.add)
-        pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[keys, :],
-                                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(
+            p.astype(v_ref.dtype),
+            v_ref[keys, :],
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
         return [q, m_new, l, acc * _lanes(alpha, D) + pv]
 
     def tiles(r0, t0, cs, masked):
@@ -578,25 +490,47 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         """Every (q tile, kv slice) of the item, mask-free, as one straight-line region: the q
         tiles' chains are independent, so the scheduler interleaves them (the bulk of a long
         causal or windowed sequence takes this path)."""
+
         def q_tile(j, _):
             tiles(pl.multiple_of(j * bqc, bqc), None, range(n_ks), False)
 
         small = rows_c * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
         jax.lax.fori_loop(0, n_qt, q_tile, None, unroll=INTERIOR_Q_UNROLL if small else 1)
 
-    @pl.when((flags & VALID) != 0)
+    @pl.when((flags & COMPUTE) != 0)
     def _compute():
         walk = functools.partial(
-            _walk_q_tiles, tiles, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
-            bkc=bkc, seq=seq, band=band, has_segments=has_segments, tile_ranges=tile_ranges,
-            ranges_ref=ranges_ref, unroll=unroll)
+            _walk_q_tiles,
+            tiles,
+            b=b,
+            qi=qi,
+            ki=ki,
+            block_q=block_q,
+            block_kv=block_kv,
+            bqc=bqc,
+            bkc=bkc,
+            seq=seq,
+            band=band,
+            has_segments=has_segments,
+            tile_ranges=tile_ranges,
+            ranges_ref=ranges_ref,
+            unroll=unroll,
+        )
         if has_segments:
             walk()
             return
         q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
         _, in_first, in_end, _ = _inner_ranges(
-            qi * block_q, block_q, (q_seq_lo, q_seq_hi), (k_seq_lo, k_seq_hi), off, band,
-            ki * block_kv, block_kv, bkc)
+            qi * block_q,
+            block_q,
+            (q_seq_lo, q_seq_hi),
+            (k_seq_lo, k_seq_hi),
+            off,
+            band,
+            ki * block_kv,
+            block_kv,
+            bkc,
+        )
         interior = (in_first == 0) & (in_end == n_ks)
         pl.when(interior)(interior_item)
         pl.when(jnp.logical_not(interior))(walk)
@@ -614,7 +548,7 @@ def _fwd_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block
         # Column -> row: lse is stored lane-major, [G, block_q] per q block.
         lse_t = jnp.broadcast_to(lse, (rows, NUM_LANES)).T[0:1, :]
         for g in range(groups):
-            lse_ref[g:g + 1, :] = lse_t[:, g * block_q:(g + 1) * block_q]
+            lse_ref[g : g + 1, :] = lse_t[:, g * block_q : (g + 1) * block_q]
 
 
 def _pad_axis(x, axis, size, value=0):
@@ -680,16 +614,18 @@ def _items(seqs, prob, nq, nk, bq, bk, kv_major, qseg_ids=None, kseg_ids=None):
         bound = build_work_list(seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major).shape[1]
     else:
         bound = max_work_items(prob.n_seq, nq, nk)
-    build = functools.partial(build_work_list, seqs, nq, nk, bq, bk, prob.band,
-                              kv_major=kv_major, max_items=bound)
-    if qseg_ids is None or not _tiling.per_batch_lists_fit(qseg_ids.shape[0], bound):
+    build = functools.partial(
+        build_work_list, seqs, nq, nk, bq, bk, prob.band, kv_major=kv_major, max_items=bound
+    )
+    if qseg_ids is None or not per_batch_lists_fit(qseg_ids.shape[0], bound):
         lists, layout = build()[None], ListLayout(bound)
     else:
         ranges = (*_segment_ranges(qseg_ids, bq), *_segment_ranges(kseg_ids, bk))
         lists = jax.vmap(lambda *r: build(segment_ranges=r))(*ranges)  # [B, 4, bound]
         layout = ListLayout(bound, per_batch=True)
     # Live items (dummies included) carry a flag; the padding tail has none.
-    steps = jnp.max(jnp.sum(jnp.asarray(lists)[:, 3, :] != 0, axis=1)).astype(jnp.int32)
+    flags = jnp.asarray(lists)[:, LAYOUT.index("FLAGS"), :]
+    steps = jnp.max(jnp.sum(flags != 0, axis=1)).astype(jnp.int32)
     if not isinstance(steps, jax.core.Tracer):
         steps = int(steps)  # called eagerly: a static grid for this concrete list
     return jnp.asarray(lists).reshape(-1), layout, steps
@@ -725,8 +661,7 @@ def _fwd_unroll(n_slices):
     return min(FWD_UNROLL, n_slices)
 
 
-def _cost_estimates(prob: "_Problem", seqs, tiles, itemsize_dtype, pass_, segments,
-                    has_sinks=False):
+def _cost_estimates(prob: _Problem, seqs, tiles, itemsize_dtype, pass_, segments, has_sinks=False):
     """`pl.CostEstimate`s of the pass's pallas_calls, in call order, from tiling.estimate_cost's
     closed forms (static lists: the exact counts; cu_seqlens: the padded dense band as a bound)."""
     band = prob.band
@@ -737,12 +672,30 @@ def _cost_estimates(prob: "_Problem", seqs, tiles, itemsize_dtype, pass_, segmen
         q_len, kv_len = prob.sq, prob.sk
     calls = []
     _tiling.estimate_cost(
-        batch=prob.batch, num_q_heads=prob.kv_heads * prob.groups, num_kv_heads=prob.kv_heads,
-        q_len=q_len, kv_len=kv_len, head_dim=prob.head_dim, dtype=itemsize_dtype, causal=False,
-        window_size=window, segments=segments, tiles=tiles, pass_=pass_, softcap=prob.softcap,
-        has_sinks=has_sinks, calls=calls)
-    return [pl.CostEstimate(flops=int(c["flops"]), transcendentals=int(c["transcendentals"]),
-                            bytes_accessed=int(c["bytes_accessed"])) for c in calls]
+        batch=prob.batch,
+        num_q_heads=prob.kv_heads * prob.groups,
+        num_kv_heads=prob.kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=prob.head_dim,
+        dtype=itemsize_dtype,
+        causal=False,
+        window_size=window,
+        segments=segments,
+        tiles=tiles,
+        pass_=pass_,
+        softcap=prob.softcap,
+        has_sinks=has_sinks,
+        calls=calls,
+    )
+    return [
+        pl.CostEstimate(
+            flops=int(c["flops"]),
+            transcendentals=int(c["transcendentals"]),
+            bytes_accessed=int(c["bytes_accessed"]),
+        )
+        for c in calls
+    ]
 
 
 def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpret):
@@ -755,8 +708,8 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
     has_segments = qseg is not None
     qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
     items, layout, steps = _items(seqs, prob, nq, nk, bq, bk, False, qseg_ids, kseg_ids)
-    q_block = lambda b, i, it: layout.field(it, b, i, 0)  # noqa: E731
-    kv_block = lambda b, i, it: layout.field(it, b, i, 1)  # noqa: E731
+    q_block = lambda b, i, it: layout.field(it, b, i, "QI")  # noqa: E731
+    kv_block = lambda b, i, it: layout.field(it, b, i, "KI")  # noqa: E731
 
     def q_map(b, h, i, it, sq):
         return (b, h, 0, q_block(b, i, it), 0)
@@ -785,8 +738,10 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         in_specs += [
             pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),
             # kv ids as lane rows, one [8, bkc] slab per compute slice (indexed on a leading dim).
-            pl.BlockSpec((None, bk // bkc, NUM_SUBLANES, bkc),
-                         lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0)),
+            pl.BlockSpec(
+                (None, bk // bkc, NUM_SUBLANES, bkc),
+                lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0),
+            ),
         ]
         kseg_slabs = kseg[:, 0, :].reshape(B, Sk // bkc, 1, bkc)
         args += [qseg, jnp.broadcast_to(kseg_slabs, (B, Sk // bkc, NUM_SUBLANES, bkc))]
@@ -799,10 +754,22 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         jax.ShapeDtypeStruct((B, Hkv, G, Sq), jnp.float32),
     ]
     kernel = functools.partial(
-        _fwd_kernel, layout=layout, n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk,
-        block_q_compute=bqc, block_kv_compute=bkc, band=prob.band, scale=prob.scale,
-        softcap=prob.softcap, has_sinks=has_sinks, has_segments=has_segments,
-        tile_ranges=tile_ranges, unroll=_fwd_unroll(bk // bkc))
+        _fwd_kernel,
+        layout=layout,
+        n_seq=prob.n_seq,
+        groups=G,
+        block_q=bq,
+        block_kv=bk,
+        block_q_compute=bqc,
+        block_kv_compute=bkc,
+        band=prob.band,
+        scale=prob.scale,
+        softcap=prob.softcap,
+        has_sinks=has_sinks,
+        has_segments=has_segments,
+        tile_ranges=tile_ranges,
+        unroll=_fwd_unroll(bk // bkc),
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(B, Hkv, steps),
@@ -820,11 +787,13 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=tiles.vmem_limit_bytes, flags=SCHEDULER_FLAGS,
+            vmem_limit_bytes=tiles.vmem_limit_bytes,
+            flags=SCHEDULER_FLAGS,
         ),
         interpret=interpret,
-        cost_estimate=_cost_estimates(prob, seqs, tiles, q5.dtype, "fwd", has_segments,
-                                      has_sinks)[0],
+        cost_estimate=_cost_estimates(prob, seqs, tiles, q5.dtype, "fwd", has_segments, has_sinks)[
+            0
+        ],
         name="flash_attention_fwd",
     )(items, _seq_array(seqs), *args)
     return o, lse
@@ -835,9 +804,24 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
 # -------------------------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
-                 block_q_compute, block_kv_compute, band, scale, softcap, has_segments,
-                 tile_ranges, fused_dq=False):
+def _dkdv_kernel(
+    items_ref,
+    seq_ref,
+    *refs,
+    layout,
+    n_seq,
+    groups,
+    block_q,
+    block_kv,
+    block_q_compute,
+    block_kv_compute,
+    band,
+    scale,
+    softcap,
+    has_segments,
+    tile_ranges,
+    fused_dq=False,
+):
     """dk, dv for one kv block, accumulated over the kv-major list's q blocks. Per item, each kv
     compute slice visits the q compute tiles that can see it (the band mirrored), in transposed
     form: scores [kv rows, q rows], so lse and di arrive as lane rows, one [G, bqc] slab per q
@@ -866,6 +850,7 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
     if fused_dq:
+
         @pl.when(step == 0)
         def _init_dq():
             dq_acc[...] = jnp.zeros_like(dq_acc)
@@ -880,15 +865,16 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
         v = v_ref[keys, :]
         # Stats as lane rows [1, G*bqc]: the G heads' rows side by side.
         lse_j, di_j = lse_ref[j], di_ref[j]
-        lse = jnp.concatenate([lse_j[g:g + 1, :] for g in range(groups)], axis=1)
-        di = jnp.concatenate([di_j[g:g + 1, :] for g in range(groups)], axis=1)
+        lse = jnp.concatenate([lse_j[g : g + 1, :] for g in range(groups)], axis=1)
+        di = jnp.concatenate([di_j[g : g + 1, :] for g in range(groups)], axis=1)
         st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         st, cap = _scores(st, scale, softcap)
         if masked:
             shape = (bkc, rows_c)
             u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + (ki * block_kv + c * bkc)
-            t = ((jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (bqc - 1))
-                 + (qi * block_q + j * bqc))
+            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (bqc - 1)) + (
+                qi * block_q + j * bqc
+            )
             mask = _allowed(t, u, seq, band)
             if has_segments:
                 qs = qseg_ref[j][0:1, :]
@@ -897,34 +883,47 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
             pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
         else:
             pt = jnp.exp(st - lse)
-        dv_acc[keys, :] += jax.lax.dot_general(pt.astype(do.dtype), do, (((1,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-        dpt = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dv_acc[keys, :] += jax.lax.dot_general(
+            pt.astype(do.dtype), do, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        dpt = jax.lax.dot_general(
+            v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
         dst = pt * (dpt - di)
         if softcap:
             dst = dst * (1.0 - cap * cap)
         dst = dst * scale
-        dk_acc[keys, :] += jax.lax.dot_general(dst.astype(q.dtype), q, (((1,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
+        dk_acc[keys, :] += jax.lax.dot_general(
+            dst.astype(q.dtype), q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         if fused_dq:
-            dq = jax.lax.dot_general(dst.astype(k.dtype), k, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # [G*bqc, D]
+            dq = jax.lax.dot_general(
+                dst.astype(k.dtype), k, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )  # [G*bqc, D]
             q_rows = pl.ds(pl.multiple_of(qi * block_q + j * bqc, bqc), bqc)
             dq_acc[:, q_rows, :] += dq.reshape(groups, bqc, D)
 
     def kv_slice(c, _):
         u0 = ki * block_kv + c * bkc
-        ranges = _inner_ranges(u0, bkc, (k_seq_lo, k_seq_hi), (q_seq_lo, q_seq_hi), -off,
-                               _mirror(band), qi * block_q, block_q, bqc)
+        ranges = _inner_ranges(
+            u0,
+            bkc,
+            (k_seq_lo, k_seq_hi),
+            (q_seq_lo, q_seq_hi),
+            -off,
+            _mirror(band),
+            qi * block_q,
+            block_q,
+            bqc,
+        )
         meets = None
         if tile_ranges:
             gq, gk = qi * (block_q // bqc), ki * (block_kv // bkc) + c
             meets = lambda j: _documents_meet(ranges_ref, tile_ranges, b, gq + j, gk)  # noqa: E731
-        _visit(ranges, lambda j, masked: tile(c, j, masked), has_segments=has_segments,
-               meets=meets)
+        _visit(ranges, lambda j, masked: tile(c, j, masked), has_segments=has_segments, meets=meets)
         return None
 
-    @pl.when((flags & VALID) != 0)
+    @pl.when((flags & COMPUTE) != 0)
     def _compute():
         jax.lax.fori_loop(0, block_kv // bkc, kv_slice, None)
 
@@ -934,14 +933,29 @@ def _dkdv_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, bloc
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
     if fused_dq:
+
         @pl.when(step == n_steps - 1)
         def _finish_dq():
             dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
-def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_kv,
-               block_q_compute, block_kv_compute, band, scale, softcap, has_segments,
-               tile_ranges):
+def _dq_kernel(
+    items_ref,
+    seq_ref,
+    *refs,
+    layout,
+    n_seq,
+    groups,
+    block_q,
+    block_kv,
+    block_q_compute,
+    block_kv_compute,
+    band,
+    scale,
+    softcap,
+    has_segments,
+    tile_ranges,
+):
     """dq for one q block, accumulated in VMEM over the q-major list's kv blocks; compute tiles
     visited as in the forward."""
     refs = list(refs)
@@ -960,8 +974,8 @@ def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_
         dq_acc[...] = jnp.zeros_like(dq_acc)
         # Row -> column once per q block, so every tile broadcasts stats along lanes.
         for g in range(groups):
-            lse_col[g] = jnp.broadcast_to(lse_ref[g:g + 1, :], (NUM_LANES, block_q)).T
-            di_col[g] = jnp.broadcast_to(di_ref[g:g + 1, :], (NUM_LANES, block_q)).T
+            lse_col[g] = jnp.broadcast_to(lse_ref[g : g + 1, :], (NUM_LANES, block_q)).T
+            di_col[g] = jnp.broadcast_to(di_ref[g : g + 1, :], (NUM_LANES, block_q)).T
 
     def tile(r0, t0, c, masked):
         rows = pl.ds(r0, bqc)
@@ -981,20 +995,35 @@ def _dq_kernel(items_ref, seq_ref, *refs, layout, n_seq, groups, block_q, block_
             p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         else:
             p = jnp.exp(s - lse)
-        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dp = jax.lax.dot_general(
+            do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
         ds = p * (dp - di)
         if softcap:
             ds = ds * (1.0 - cap * cap)
         ds = ds * scale
-        dq = jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        dq = jax.lax.dot_general(
+            ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)
 
-    @pl.when((flags & VALID) != 0)
+    @pl.when((flags & COMPUTE) != 0)
     def _compute():
-        _walk_q_tiles(tile, b=b, qi=qi, ki=ki, block_q=block_q, block_kv=block_kv, bqc=bqc,
-                      bkc=bkc, seq=seq, band=band, has_segments=has_segments,
-                      tile_ranges=tile_ranges, ranges_ref=ranges_ref)
+        _walk_q_tiles(
+            tile,
+            b=b,
+            qi=qi,
+            ki=ki,
+            block_q=block_q,
+            block_kv=block_kv,
+            bqc=bqc,
+            bkc=bkc,
+            seq=seq,
+            band=band,
+            has_segments=has_segments,
+            tile_ranges=tile_ranges,
+            ranges_ref=ranges_ref,
+        )
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -1017,8 +1046,11 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
     di = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)  # [B, Hkv, G, Sq]
     has_segments = qseg is not None
     seq_arr = _seq_array(seqs)
-    cp = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                              vmem_limit_bytes=tiles.vmem_limit_bytes_bwd, flags=SCHEDULER_FLAGS)
+    cp = pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=tiles.vmem_limit_bytes_bwd,
+        flags=SCHEDULER_FLAGS,
+    )
     costs = _cost_estimates(prob, seqs, tiles, q5.dtype, "bwd", has_segments)
     qseg_ids, kseg_ids = _segment_id_rows(qseg, kseg)
     tile_ranges, head_specs, head_args = None, [], []
@@ -1026,13 +1058,23 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         tile_ranges = (B, Sq // bqc, Sk // bkc)
         head_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
         head_args = [_range_table(qseg_ids, kseg_ids, bqc, bkc)]
-    common = dict(n_seq=prob.n_seq, groups=G, block_q=bq, block_kv=bk, block_q_compute=bqc,
-                  block_kv_compute=bkc, band=prob.band, scale=prob.scale, softcap=prob.softcap,
-                  has_segments=has_segments, tile_ranges=tile_ranges)
+    common = dict(
+        n_seq=prob.n_seq,
+        groups=G,
+        block_q=bq,
+        block_kv=bk,
+        block_q_compute=bqc,
+        block_kv_compute=bkc,
+        band=prob.band,
+        scale=prob.scale,
+        softcap=prob.softcap,
+        has_segments=has_segments,
+        tile_ranges=tile_ranges,
+    )
 
     def maps(layout):
-        q_block = lambda b, i, it: layout.field(it, b, i, 0)  # noqa: E731
-        kv_block = lambda b, i, it: layout.field(it, b, i, 1)  # noqa: E731
+        q_block = lambda b, i, it: layout.field(it, b, i, "QI")  # noqa: E731
+        kv_block = lambda b, i, it: layout.field(it, b, i, "KI")  # noqa: E731
         q_map = lambda b, h, i, it, sq: (b, h, 0, q_block(b, i, it), 0)  # noqa: E731
         kv_map = lambda b, h, i, it, sq: (b, h, kv_block(b, i, it), 0)  # noqa: E731
         return q_block, kv_block, q_map, kv_map
@@ -1053,28 +1095,40 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
     args = head_args + [q5, k4, v4, do5, _slabs(lse, bqc), _slabs(di, bqc)]
     if has_segments:
         in_specs += [
-            pl.BlockSpec((None, bq // bqc, NUM_SUBLANES, bqc),
-                         lambda b, h, i, it, sq: (b, q_block(b, i, it), 0, 0)),
+            pl.BlockSpec(
+                (None, bq // bqc, NUM_SUBLANES, bqc),
+                lambda b, h, i, it, sq: (b, q_block(b, i, it), 0, 0),
+            ),
             pl.BlockSpec((None, bk, NUM_LANES), lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0)),
         ]
         q_slabs = qseg_ids.reshape(B, Sq // bqc, 1, bqc)
-        args += [jnp.broadcast_to(q_slabs, (B, Sq // bqc, NUM_SUBLANES, bqc)),
-                 jnp.broadcast_to(kseg_ids[:, :, None], (B, Sk, NUM_LANES))]
+        args += [
+            jnp.broadcast_to(q_slabs, (B, Sq // bqc, NUM_SUBLANES, bqc)),
+            jnp.broadcast_to(kseg_ids[:, :, None], (B, Sk, NUM_LANES)),
+        ]
     out_specs = [pl.BlockSpec((None, None, bk, D), kv_map)] * 2
     out_shape = [jax.ShapeDtypeStruct(k4.shape, k4.dtype), jax.ShapeDtypeStruct(v4.shape, v4.dtype)]
     scratch = [pltpu.VMEM((bk, D), jnp.float32)] * 2
     if tiles.fused_bwd:
         # dq of the whole sequence stays in VMEM for each (batch, head): one block, written back
         # when the head changes.
-        out_specs.append(pl.BlockSpec((None, None, G, Sq, D), lambda b, h, i, it, sq: (b, h, 0, 0, 0)))
+        out_specs.append(
+            pl.BlockSpec((None, None, G, Sq, D), lambda b, h, i, it, sq: (b, h, 0, 0, 0))
+        )
         out_shape.append(jax.ShapeDtypeStruct(q5.shape, q5.dtype))
         scratch.append(pltpu.VMEM((G, Sq, D), jnp.float32))
     grads = pl.pallas_call(
         functools.partial(_dkdv_kernel, layout=layout_kv, fused_dq=tiles.fused_bwd, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hkv, steps_kv), in_specs=in_specs,
-            out_specs=out_specs, scratch_shapes=scratch),
-        out_shape=out_shape, compiler_params=cp, interpret=interpret,
+            num_scalar_prefetch=2,
+            grid=(B, Hkv, steps_kv),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=cp,
+        interpret=interpret,
         cost_estimate=costs[0],
         name="flash_attention_dkdvq" if tiles.fused_bwd else "flash_attention_dkdv",
     )(items_kv, seq_arr, *args)
@@ -1101,21 +1155,30 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
     if has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),
-            pl.BlockSpec((None, bk // bkc, NUM_SUBLANES, bkc),
-                         lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0)),
+            pl.BlockSpec(
+                (None, bk // bkc, NUM_SUBLANES, bkc),
+                lambda b, h, i, it, sq: (b, kv_block(b, i, it), 0, 0),
+            ),
         ]
         k_slabs = kseg_ids.reshape(B, Sk // bkc, 1, bkc)
         args += [qseg, jnp.broadcast_to(k_slabs, (B, Sk // bkc, NUM_SUBLANES, bkc))]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, layout=layout_q, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hkv, steps_q), in_specs=in_specs,
+            num_scalar_prefetch=2,
+            grid=(B, Hkv, steps_q),
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, G, bq, D), q_map),
-            scratch_shapes=[pltpu.VMEM((G, bq, D), jnp.float32),
-                            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),
-                            pltpu.VMEM((G, bq, NUM_LANES), jnp.float32)]),
+            scratch_shapes=[
+                pltpu.VMEM((G, bq, D), jnp.float32),
+                pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),
+                pltpu.VMEM((G, bq, NUM_LANES), jnp.float32),
+            ],
+        ),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
-        compiler_params=cp, interpret=interpret, cost_estimate=costs[1],
+        compiler_params=cp,
+        interpret=interpret,
+        cost_estimate=costs[1],
         name="flash_attention_dq",
     )(items_q, seq_arr, *args)
     return dq, dk, dv, di
@@ -1145,18 +1208,37 @@ def _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen):
     if varlen:
         raise ValueError("segment ids and cu_seqlens cannot be combined: use one packing scheme")
     want_q, want_k = (q.shape[0], q.shape[2]), (k.shape[0], k.shape[2])
-    for name, ids, want in (("q_segment_ids", q_segment_ids, want_q),
-                            ("kv_segment_ids", kv_segment_ids, want_k)):
+    for name, ids, want in (
+        ("q_segment_ids", q_segment_ids, want_q),
+        ("kv_segment_ids", kv_segment_ids, want_k),
+    ):
         if tuple(ids.shape) != want:
-            raise ValueError(f"{name} must have shape [batch, seq] = {list(want)}, got "
-                             f"{list(ids.shape)}")
+            raise ValueError(
+                f"{name} must have shape [batch, seq] = {list(want)}, got {list(ids.shape)}"
+            )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
 
 
-def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_segment_ids,
-             causal, window_size, softcap, softmax_scale, tiles, generation, max_seqlen_q=None,
-             max_seqlen_k=None):
+def _prepare(
+    q,
+    k,
+    v,
+    *,
+    varlen,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    q_segment_ids,
+    kv_segment_ids,
+    causal,
+    window_size,
+    softcap,
+    softmax_scale,
+    tiles,
+    generation,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+):
     """Common layout work: returns (q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes)."""
     if varlen:
         # q [Tq, Hq, D] -> [1, Hkv, G, Tq, D]
@@ -1176,10 +1258,19 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_s
     G = Hq // Hkv
     if tiles is None:
         tiles = _tiling.choose_tiles(
-            q_len=Sq if not varlen else (max_seqlen_q or Sq), kv_len=Sk if not varlen else (max_seqlen_k or Sk),
-            num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=q.dtype, causal=causal,
-            window_size=tuple(window_size), generation=generation, total_q=Sq, total_kv=Sk,
-            segments=q_segment_ids is not None)
+            q_len=Sq if not varlen else (max_seqlen_q or Sq),
+            kv_len=Sk if not varlen else (max_seqlen_k or Sk),
+            num_q_heads=Hq,
+            num_kv_heads=Hkv,
+            head_dim=D,
+            dtype=q.dtype,
+            causal=causal,
+            window_size=tuple(window_size),
+            generation=generation,
+            total_q=Sq,
+            total_kv=Sk,
+            segments=q_segment_ids is not None,
+        )
     bq = max(tiles.block_q, tiles.block_q_bwd)
     bk = max(tiles.block_kv, tiles.block_kv_bwd)
     Sq_p, Sk_p = _round_up(Sq, bq), _round_up(Sk, bk)
@@ -1199,7 +1290,7 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, q_segment_ids, kv_s
         ks = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sk_p, -2)
         qseg = jnp.broadcast_to(qs[:, :, None], (B, Sq_p, NUM_LANES))
         kseg = jnp.broadcast_to(ks[:, None, :], (B, NUM_SUBLANES, Sk_p))
-    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    scale = float(softmax_scale) if softmax_scale is not None else D**-0.5
     band = Band.make(causal, *window_size)
     prob = _Problem(B, Hkv, G, Sq_p, Sk_p, D, band, scale, float(softcap), n_seq, max_items)
     return q5, k4, v4, seqs, qseg, kseg, prob, tiles, (B, Hq, Sq, Sk, D)
@@ -1228,37 +1319,98 @@ def _lse_in(lse, prob: _Problem):
     return lse.reshape(prob.batch, prob.kv_heads, prob.groups, prob.sq)
 
 
-def flash_attention_fwd(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                        softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, tiles=None, generation=None, interpret=False):
+def flash_attention_fwd(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    softmax_scale=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    tiles=None,
+    generation=None,
+    interpret=False,
+):
     """Forward. Dense: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> (o like q, lse [B, Hq, Sq] f32).
     Varlen (cu_seqlens given): q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (o like q, lse [1, Hq, Tq])."""
     varlen = cu_seqlens_q is not None
     _check_common(q, k, v, window_size, softcap)
     _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen)
     q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
-        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
-        window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, tiles=tiles,
-        generation=generation, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        q,
+        k,
+        v,
+        varlen=varlen,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        tiles=tiles,
+        generation=generation,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
     o5, lse = _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret)
     return _unpack_out(o5, varlen, sizes), _lse_out(lse, sizes)
 
 
-def flash_attention_bwd(q, k, v, o, lse, do, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                        softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, tiles=None, generation=None, interpret=False):
+def flash_attention_bwd(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    softmax_scale=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    tiles=None,
+    generation=None,
+    interpret=False,
+):
     """Backward: (dq, dk, dv, dsinks or None), same layouts as `flash_attention_fwd`."""
     varlen = cu_seqlens_q is not None
     _check_common(q, k, v, window_size, softcap)
     _check_segments(q, k, q_segment_ids, kv_segment_ids, varlen)
     q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes = _prepare(
-        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
-        window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, tiles=tiles,
-        generation=generation, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        q,
+        k,
+        v,
+        varlen=varlen,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        tiles=tiles,
+        generation=generation,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
     B, Hq, Sq, Sk, D = sizes
 
     def to5(x):
@@ -1267,15 +1419,20 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal=False, window_size=(-1, -
 
     o5, do5 = to5(o), to5(do)
     lse5 = _lse_in(lse, prob)
-    dq5, dk4, dv4, di = _backward(q5, k4, v4, o5, lse5, do5, seqs, qseg, kseg, prob, tiles,
-                                  interpret)
+    dq5, dk4, dv4, di = _backward(
+        q5, k4, v4, o5, lse5, do5, seqs, qseg, kseg, prob, tiles, interpret
+    )
     dsinks = None
     if sinks is not None:
         # d sink_h = -sum_rows P(sink) * di, with P(sink) = exp(sink - lse).
         sk = sinks.astype(jnp.float32).reshape(1, prob.kv_heads, prob.groups, 1)
         dsinks = -jnp.sum(jnp.exp(sk - lse5) * di, axis=(0, 3)).reshape(Hq)
-    return (_unpack_out(dq5, varlen, sizes), _unpack_kv(dk4, varlen, sizes),
-            _unpack_kv(dv4, varlen, sizes), dsinks)
+    return (
+        _unpack_out(dq5, varlen, sizes),
+        _unpack_kv(dk4, varlen, sizes),
+        _unpack_kv(dv4, varlen, sizes),
+        dsinks,
+    )
 
 
 def _segment_kwargs(segment_ids):
@@ -1291,31 +1448,50 @@ def _fa_vjp(q, k, v, sinks, segment_ids, cfg):
 
 
 def _fa_vjp_fwd(q, k, v, sinks, segment_ids, cfg):
-    o, lse = flash_attention_fwd(q, k, v, sinks=sinks, **_segment_kwargs(segment_ids),
-                                 **dict(cfg))
+    o, lse = flash_attention_fwd(q, k, v, sinks=sinks, **_segment_kwargs(segment_ids), **dict(cfg))
     return o, (q, k, v, sinks, segment_ids, o, lse)
 
 
 def _fa_vjp_bwd(cfg, res, do):
     q, k, v, sinks, segment_ids, o, lse = res
-    dq, dk, dv, dsinks = flash_attention_bwd(q, k, v, o, lse, do, sinks=sinks,
-                                             **_segment_kwargs(segment_ids), **dict(cfg))
+    dq, dk, dv, dsinks = flash_attention_bwd(
+        q, k, v, o, lse, do, sinks=sinks, **_segment_kwargs(segment_ids), **dict(cfg)
+    )
     return dq, dk, dv, dsinks, None  # segment ids are integers: no cotangent
 
 
 _fa_vjp.defvjp(_fa_vjp_fwd, _fa_vjp_bwd)
 
 
-def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                    softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
-                    tiles=None, generation=None, interpret=False):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    softmax_scale=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    tiles=None,
+    generation=None,
+    interpret=False,
+):
     """Differentiable dense flash attention, q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D].
     Packed documents: q_segment_ids [B, Sq] and kv_segment_ids [B, Sk] (a query sees only keys
     with its id)."""
     _check_common(q, k, v, window_size, softcap)
     _check_segments(q, k, q_segment_ids, kv_segment_ids, False)
-    cfg = (("causal", causal), ("window_size", tuple(window_size)), ("softcap", softcap),
-           ("softmax_scale", softmax_scale), ("tiles", tiles), ("generation", generation),
-           ("interpret", interpret))
+    cfg = (
+        ("causal", causal),
+        ("window_size", tuple(window_size)),
+        ("softcap", softcap),
+        ("softmax_scale", softmax_scale),
+        ("tiles", tiles),
+        ("generation", generation),
+        ("interpret", interpret),
+    )
     segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
     return _fa_vjp(q, k, v, sinks, segment_ids, cfg)

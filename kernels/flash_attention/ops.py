@@ -3,6 +3,19 @@
 Two custom ops carry everything: `flash_attention_fwd` -> (out, softmax_lse) and
 `flash_attention_bwd` -> (dq, dk, dv, dsinks). Dense tensors are [B, S, H, D]; varlen tensors are
 packed [T, H, D] with cu_seqlens. Inputs are validated here, before any kernel runs.
+
+Shape buckets (shape_buckets.py). Varlen calls pad the packed query and key tokens up to their
+token buckets and the number of sequences up to its count bucket: padded tokens lie past
+cu_seqlens[-1] and belong to no sequence (the work list never visits them; their rows are cut
+off), padded sequences repeat the last offset and so have no tokens. Dense calls whose lengths are
+token buckets and whose batch is a power of two run as they are; any other dense call is packed
+into the varlen form (a reshape: sequence b owns tokens b*Sq .. (b+1)*Sq, with the same
+bottom-right alignment) and bucketed the same way. So a new length or batch compiles only in a new
+bucket. Gradients of padded rows are dropped by the slicing.
+
+What stays a compile key: causal, the window sizes, softcap and the softmax scale (they shape the
+mask band and are folded into the kernel: fixed per model, two or three values per model at most,
+e.g. sliding and global layers), whether sinks are given, head counts, head dim and dtype.
 """
 
 from __future__ import annotations
@@ -13,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from . import kernel
 from ._ops import add_op_namespace_prefix
 from .jax_bridge import jax_op, pallas_interpret
-from . import kernel
+from .shape_buckets import bucket_count, bucket_policy, bucket_tokens
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "warmup"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -28,36 +42,77 @@ MAX_HEAD_DIM = 256
 # -------------------------------------------------------------------------------------------------
 
 
-def _fwd_jax(q: jax.Array, k: jax.Array, v: jax.Array, sinks: Optional[jax.Array],
-             cu_seqlens_q: Optional[jax.Array], cu_seqlens_k: Optional[jax.Array],
-             causal: bool, window_left: int, window_right: int, softcap: float,
-             softmax_scale: float) -> tuple[jax.Array, jax.Array]:
+def _fwd_jax(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    sinks: Optional[jax.Array],
+    cu_seqlens_q: Optional[jax.Array],
+    cu_seqlens_k: Optional[jax.Array],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array]:
     varlen = cu_seqlens_q is not None
     if not varlen:  # [B, S, H, D] -> the kernel's [B, H, S, D]
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     o, lse = kernel.flash_attention_fwd(
-        q, k, v, causal=causal, window_size=(window_left, window_right), softcap=softcap,
-        softmax_scale=softmax_scale, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, interpret=pallas_interpret())
+        q,
+        k,
+        v,
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        sinks=sinks,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        interpret=pallas_interpret(),
+    )
     if varlen:
         return o, lse[0]
     return jnp.swapaxes(o, 1, 2), lse
 
 
-def _bwd_jax(do: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array,
-             lse: jax.Array, sinks: Optional[jax.Array], cu_seqlens_q: Optional[jax.Array],
-             cu_seqlens_k: Optional[jax.Array], causal: bool, window_left: int,
-             window_right: int, softcap: float, softmax_scale: float
-             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _bwd_jax(
+    do: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    o: jax.Array,
+    lse: jax.Array,
+    sinks: Optional[jax.Array],
+    cu_seqlens_q: Optional[jax.Array],
+    cu_seqlens_k: Optional[jax.Array],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     varlen = cu_seqlens_q is not None
     if varlen:
         lse = lse[None]
     else:
         q, k, v, o, do = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, o, do))
     dq, dk, dv, dsinks = kernel.flash_attention_bwd(
-        q, k, v, o, lse, do, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, softmax_scale=softmax_scale, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, interpret=pallas_interpret())
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        sinks=sinks,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        interpret=pallas_interpret(),
+    )
     if not varlen:
         dq, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq, dk, dv))
     if dsinks is None:
@@ -65,8 +120,19 @@ def _bwd_jax(do: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Arr
     return dq, dk, dv, dsinks
 
 
-def _fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right,
-              softcap, softmax_scale):
+def _fwd_fake(
+    q,
+    k,
+    v,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+):
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
@@ -74,11 +140,29 @@ def _fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, causal, window_left, w
     return torch.empty_like(q), lse
 
 
-def _bwd_fake(do, q, k, v, o, lse, sinks, cu_seqlens_q, cu_seqlens_k, causal, window_left,
-              window_right, softcap, softmax_scale):
+def _bwd_fake(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+):
     hq = q.shape[-2]
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty((hq,), dtype=torch.float32))
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        q.new_empty((hq,), dtype=torch.float32),
+    )
 
 
 fwd_op = jax_op(add_op_namespace_prefix("flash_attention_fwd"), _fwd_jax, fake=_fwd_fake)
@@ -96,8 +180,19 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, sinks, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv, dsinks = bwd_op(do.contiguous(), q, k, v, o, lse, sinks, cu_q, cu_k, *ctx.config)
-    return (dq, dk, dv, dsinks.to(sinks.dtype) if ctx.has_sinks else None,
-            None, None, None, None, None, None, None)
+    return (
+        dq,
+        dk,
+        dv,
+        dsinks.to(sinks.dtype) if ctx.has_sinks else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -119,7 +214,9 @@ def _check_tensors(q, k, v, ndim, layout):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     d = q.shape[-1]
     if k.shape[-1] != d:
         raise ValueError(f"q and k head dims differ: q has {d}, k has {k.shape[-1]}")
@@ -133,13 +230,16 @@ def _check_tensors(q, k, v, ndim, layout):
 def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale, s_aux, hq):
     if dropout_p:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: attention dropout is not implemented in the TPU kernel; pass 0.0")
+            f"dropout_p={dropout_p}: attention dropout is not implemented in the TPU kernel; pass 0.0"
+        )
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes are not supported by flash-attention-tpu")
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints, got {window_size!r}"
+        ) from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
     softcap = float(softcap or 0.0)
@@ -149,8 +249,10 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale,
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if s_aux is not None:
         if not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (hq,):
-            raise ValueError(f"s_aux (attention sinks) must be a tensor of shape ({hq},), got "
-                             f"{getattr(s_aux, 'shape', type(s_aux))}")
+            raise ValueError(
+                f"s_aux (attention sinks) must be a tensor of shape ({hq},), got "
+                f"{getattr(s_aux, 'shape', type(s_aux))}"
+            )
         if not s_aux.is_floating_point():
             raise TypeError(f"s_aux must be floating point, got {s_aux.dtype}")
     return left, right, softcap
@@ -158,13 +260,15 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale,
 
 def _check_cu_seqlens(name, cu, total, n_seq=None):
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D tensor [num_seqs + 1], got "
-                         f"{getattr(cu, 'shape', type(cu))}")
+        raise ValueError(
+            f"{name} must be a 1-D tensor [num_seqs + 1], got {getattr(cu, 'shape', type(cu))}"
+        )
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
     if n_seq is not None and cu.numel() != n_seq:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                         f"{n_seq} and {cu.numel()}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {n_seq} and {cu.numel()}"
+        )
     if torch.compiler.is_compiling():  # values are data-dependent inside a compiled graph
         return
     c = cu.detach().cpu()
@@ -177,7 +281,7 @@ def _check_cu_seqlens(name, cu, total, n_seq=None):
 
 
 def _scale(softmax_scale, d):
-    return float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    return float(softmax_scale) if softmax_scale is not None else d**-0.5
 
 
 # -------------------------------------------------------------------------------------------------
@@ -185,40 +289,227 @@ def _scale(softmax_scale, d):
 # -------------------------------------------------------------------------------------------------
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, s_aux=None):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D] (and softmax_lse [B, Hq, Sq],
     None with return_attn_probs). Causal is bottom-right aligned; `window_size` = (left, right);
     `s_aux` are per-head attention-sink logits [Hq]. Backward computes dq, dk, dv (and ds_aux)."""
     _check_tensors(q, k, v, 4, "[batch, seqlen, heads, head_dim]")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
-    left, right, softcap = _check_options(dropout_p, window_size, softcap, alibi_slopes,
-                                          softmax_scale, s_aux, q.shape[2])
-    out, lse = fwd_op(q, k, v, s_aux, None, None, bool(causal), left, right, softcap,
-                      _scale(softmax_scale, q.shape[-1]))
+    left, right, softcap = _check_options(
+        dropout_p, window_size, softcap, alibi_slopes, softmax_scale, s_aux, q.shape[2]
+    )
+    scale = _scale(softmax_scale, q.shape[-1])
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    if not bucket_policy().enabled or (
+        sq == bucket_tokens(sq) and sk == bucket_tokens(sk) and b & (b - 1) == 0
+    ):
+        out, lse = fwd_op(q, k, v, s_aux, None, None, bool(causal), left, right, softcap, scale)
+    else:
+        # Pack into the varlen form: sequence i owns tokens i*sq .. (i+1)*sq (and i*sk .. for
+        # keys); the kernel's per-sequence bottom-right alignment is the dense one.
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
+        cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk
+        out, lse = _varlen_bucketed(
+            q.reshape(b * sq, hq, d),
+            k.reshape(b * sk, *k.shape[2:]),
+            v.reshape(b * sk, *v.shape[2:]),
+            s_aux,
+            cu_q,
+            cu_k,
+            bool(causal),
+            left,
+            right,
+            softcap,
+            scale,
+        )
+        out = out.reshape(b, sq, hq, d)
+        lse = lse.reshape(hq, b, sq).transpose(0, 1)
     return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
-                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *,
-                           s_aux=None):
+def _pad_offsets(cu: torch.Tensor, entries: int) -> torch.Tensor:
+    """cu [n + 1] extended to `entries` by repeating its last offset (empty sequences)."""
+    extra = entries - cu.shape[0]
+    if extra <= 0:
+        return cu
+    return torch.cat([cu, cu[-1:].expand(extra)])
+
+
+def _pad_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    extra = tokens - x.shape[0]
+    if extra <= 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra))
+
+
+def _varlen_bucketed(q, k, v, s_aux, cu_q, cu_k, causal, left, right, softcap, scale):
+    """The varlen op at bucketed sizes; returns out [Tq, Hq, D] and lse [Hq, Tq] of the caller's
+    tokens. Padded tokens lie past cu[-1]: no sequence owns them."""
+    tq, tk = q.shape[0], k.shape[0]
+    tq_pad, tk_pad = bucket_tokens(tq), bucket_tokens(tk)
+    entries = bucket_count(cu_q.shape[0] - 1) + 1
+    out, lse = fwd_op(
+        _pad_tokens(q, tq_pad),
+        _pad_tokens(k, tk_pad),
+        _pad_tokens(v, tk_pad),
+        s_aux,
+        _pad_offsets(cu_q, entries),
+        _pad_offsets(cu_k, entries),
+        causal,
+        left,
+        right,
+        softcap,
+        scale,
+    )
+    return out[:tq], lse[:, :tq]
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    s_aux=None,
+):
     """Packed q [Tq, Hq, D], k/v [Tk, Hkv, D] with cu_seqlens_q/k [num_seqs + 1] -> out [Tq, Hq, D]
     (and softmax_lse [Hq, Tq], None with return_attn_probs). Sequences never see each other; causal
-    is bottom-right aligned per sequence. max_seqlen_* are accepted for compatibility."""
+    is bottom-right aligned per sequence. max_seqlen_* are accepted for compatibility and ignored
+    (never a compile key: the kernel sizes its work list from the bucketed totals)."""
     if block_table is not None:
-        raise NotImplementedError("block_table (paged KV) is not supported here; use paged-attention-tpu")
+        raise NotImplementedError(
+            "block_table (paged KV) is not supported here; use paged-attention-tpu"
+        )
     _check_tensors(q, k, v, 3, "[total_tokens, heads, head_dim]")
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], n_seq=cu_seqlens_q.numel())
-    left, right, softcap = _check_options(dropout_p, window_size, softcap, alibi_slopes,
-                                          softmax_scale, s_aux, q.shape[1])
+    left, right, softcap = _check_options(
+        dropout_p, window_size, softcap, alibi_slopes, softmax_scale, s_aux, q.shape[1]
+    )
     # JAX runs without 64-bit integers.
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-    out, lse = fwd_op(q, k, v, s_aux, cu_q, cu_k, bool(causal), left, right, softcap,
-                      _scale(softmax_scale, q.shape[-1]))
+    out, lse = _varlen_bucketed(
+        q,
+        k,
+        v,
+        s_aux,
+        cu_q,
+        cu_k,
+        bool(causal),
+        left,
+        right,
+        softcap,
+        _scale(softmax_scale, q.shape[-1]),
+    )
     return (out, lse, None) if return_attn_probs else out
+
+
+def warmup(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_tokens: int,
+    max_seqs: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    causal: bool = True,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    softmax_scale=None,
+    sinks: bool = False,
+    backward: bool = False,
+    dense: bool = True,
+    device="cpu",
+) -> int:
+    """Compile, before serving, every kernel that `flash_attn_varlen_func` (and a dense
+    `flash_attn_func` packed into it) can need for up to `max_tokens` packed tokens in up to
+    `max_seqs` sequences with this model's attention settings: one call per (token bucket,
+    sequence-count bucket) pair, queries and keys of equal length (self-attention prefill).
+    `dense=True` adds the dense kernels of one sequence whose length is a bucket (what
+    `flash_attn_func` runs for a batch of one prompt of that length). `backward=True` compiles the
+    backward kernels too. Returns the number of calls made."""
+    from .shape_buckets import count_buckets, token_buckets
+
+    calls = 0
+    for tokens in token_buckets(max_tokens) if dense else ():
+        q = torch.zeros(
+            1, tokens, num_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
+        )
+        k = torch.zeros(
+            1, tokens, num_kv_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
+        )
+        s_aux = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
+        out = flash_attn_func(
+            q,
+            k,
+            torch.zeros_like(k, requires_grad=backward),
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            s_aux=s_aux,
+        )
+        if backward:
+            out.sum().backward()
+        calls += 1
+    for tokens in token_buckets(max_tokens):
+        for seqs in count_buckets(min(max_seqs, tokens)):
+            q = torch.zeros(
+                tokens, num_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
+            )
+            k = torch.zeros(
+                tokens, num_kv_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
+            )
+            v = torch.zeros_like(k, requires_grad=backward)
+            # All tokens in the first sequence, the other sequence slots empty: the shapes (and so
+            # the compiled kernels) are those of any batch in these buckets.
+            cu = torch.full((seqs + 1,), tokens, dtype=torch.int32, device=device)
+            cu[0] = 0
+            s_aux = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
+            out = flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                tokens,
+                tokens,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                softcap=softcap,
+                s_aux=s_aux,
+            )
+            if backward:
+                out.sum().backward()
+            calls += 1
+    return calls

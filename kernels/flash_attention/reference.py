@@ -33,8 +33,19 @@ def attention(q, k, v, **kw):
     return attention_with_lse(q, k, v, **kw)[0]
 
 
-def attention_with_lse(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                       softmax_scale=None, sinks=None, q_segment_ids=None, kv_segment_ids=None):
+def attention_with_lse(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    softmax_scale=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+):
     """(output [B, Hq, Sq, D], log-sum-exp of each row's scores and sink [B, Hq, Sq]) in f32; a
     row that sees nothing has output 0 and lse -inf."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
@@ -43,7 +54,7 @@ def attention_with_lse(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0
     G = Hq // Hkv
     k = jnp.repeat(k, G, axis=1)
     v = jnp.repeat(v, G, axis=1)
-    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
@@ -71,9 +82,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     ck = np.asarray(cu_seqlens_k)
     outs = []
     for s in range(len(cq) - 1):
-        qs = jnp.swapaxes(q[cq[s]:cq[s + 1]], 0, 1)[None]
-        ks = jnp.swapaxes(k[ck[s]:ck[s + 1]], 0, 1)[None]
-        vs = jnp.swapaxes(v[ck[s]:ck[s + 1]], 0, 1)[None]
+        qs = jnp.swapaxes(q[cq[s] : cq[s + 1]], 0, 1)[None]
+        ks = jnp.swapaxes(k[ck[s] : ck[s + 1]], 0, 1)[None]
+        vs = jnp.swapaxes(v[ck[s] : ck[s + 1]], 0, 1)[None]
         if qs.shape[2] == 0:
             continue
         if ks.shape[2] == 0:

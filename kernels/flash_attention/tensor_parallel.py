@@ -13,7 +13,8 @@ kernel's custom VJP per device.
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from . import kernel as _kernel
 
@@ -23,16 +24,29 @@ __all__ = ["tensor_parallel_flash_attention", "check_head_split"]
 def check_head_split(num_q_heads: int, num_kv_heads: int, tp: int, axis: str = "tp") -> None:
     """ValueError unless `tp` devices can split the heads with every GQA group whole."""
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"heads: {num_q_heads} query heads are not a multiple of the "
-                         f"{num_kv_heads} KV heads")
+        raise ValueError(
+            f"heads: {num_q_heads} query heads are not a multiple of the {num_kv_heads} KV heads"
+        )
     if num_kv_heads % tp:
-        raise ValueError(f"mesh axis {axis!r} of size {tp} does not divide the {num_kv_heads} KV "
-                         f"heads (a GQA group of {num_q_heads // num_kv_heads} query heads must "
-                         f"stay on one device)")
+        raise ValueError(
+            f"mesh axis {axis!r} of size {tp} does not divide the {num_kv_heads} KV "
+            f"heads (a GQA group of {num_q_heads // num_kv_heads} query heads must "
+            f"stay on one device)"
+        )
 
 
-def tensor_parallel_flash_attention(q, k, v, *, mesh: Mesh, axis: str = "tp", sinks=None,
-                                    q_segment_ids=None, kv_segment_ids=None, **kwargs):
+def tensor_parallel_flash_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh: Mesh,
+    axis: str = "tp",
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    **kwargs,
+):
     """`kernel.flash_attention` (q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]) with the heads split over
     mesh axis `axis`; returns [B, Hq, Sq, D] split along heads. `kwargs` (causal, window_size,
     softcap, softmax_scale, tiles, generation, interpret) go to the kernel. Raises ValueError
@@ -60,8 +74,10 @@ def tensor_parallel_flash_attention(q, k, v, *, mesh: Mesh, axis: str = "tp", si
         rest = list(rest)
         s = rest.pop(0) if has_sinks else None
         qs, ks = (rest[0], rest[1]) if has_segments else (None, None)
-        return _kernel.flash_attention(q, k, v, sinks=s, q_segment_ids=qs, kv_segment_ids=ks,
-                                       **kwargs)
+        return _kernel.flash_attention(
+            q, k, v, sinks=s, q_segment_ids=qs, kv_segment_ids=ks, **kwargs
+        )
 
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
-                         check_vma=False)(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(
+        *args
+    )

@@ -15,27 +15,35 @@ modelled time (KernelCost.modelled_seconds) on the caller's shape; `Tiles(...)` 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
-from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation, vmem_limit_bytes
+from . import tpu_generations as _generations
+from .schedule import (  # noqa: F401  (re-exported)
+    MAX_PER_BATCH_LIST_BYTES,
+    UNBOUNDED,
+    Band,
+    build_work_list,
+    count_live_tiles,
+    max_work_items,
+    per_batch_lists_fit,
+)
+from .tpu_generations import (
+    GENERATIONS,  # noqa: F401  (re-exported: tiling.GENERATIONS)
+    KernelCost,
+    TpuGeneration,
+    get_generation,
+    vmem_limit_bytes,
+)
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
-_UNBOUNDED = 1 << 30
+_UNBOUNDED = UNBOUNDED
 # At most this many stacked query rows (G heads x block_q_compute) per compute tile: beyond it the
 # score tile ([rows, block_kv_compute] f32) grows past 4 MiB with no modelled gain.
 MAX_ROWS = 2048
-
-
-# Segment ids give every batch row its own work list; all of them live in SMEM together. Past this
-# size the kernel keeps one list for the batch (segment ids then only mask, as varlen never does).
-MAX_PER_BATCH_LIST_BYTES = 256 * 1024
-
-
-def per_batch_lists_fit(batch: int, n_items: int) -> bool:
-    return batch * 4 * n_items * 4 <= MAX_PER_BATCH_LIST_BYTES
 
 
 # With segment ids the forward also skips score tiles whose documents do not meet, from each
@@ -64,8 +72,16 @@ class Tiles:
     fused_bwd: bool = False
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_kv_compute", "block_q_bwd", "block_kv_bwd",
-                     "block_q_compute", "block_q_compute_bwd", "block_kv_compute_bwd"):
+        for name in (
+            "block_q",
+            "block_kv",
+            "block_kv_compute",
+            "block_q_bwd",
+            "block_kv_bwd",
+            "block_q_compute",
+            "block_q_compute_bwd",
+            "block_kv_compute_bwd",
+        ):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -76,8 +92,9 @@ class Tiles:
         if self.block_q % self.q_compute:
             raise ValueError("Tiles.block_q must be a multiple of block_q_compute")
         if self.block_q_bwd % self.q_compute_bwd or self.block_kv_bwd % self.kv_compute_bwd:
-            raise ValueError("Tiles.block_q_bwd / block_kv_bwd must be multiples of their "
-                             "compute tiles")
+            raise ValueError(
+                "Tiles.block_q_bwd / block_kv_bwd must be multiples of their compute tiles"
+            )
 
     @property
     def q_compute(self) -> int:
@@ -101,8 +118,16 @@ def _r(x, m):
     return -(-x // m) * m
 
 
-def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_compute,
-                  segments=False, block_q_compute=None) -> int:
+def vmem_need_fwd(
+    groups,
+    head_dim,
+    itemsize,
+    block_q,
+    block_kv,
+    block_kv_compute,
+    segments=False,
+    block_q_compute=None,
+) -> int:
     dp = _r(head_dim, NUM_LANES)
     rows = groups * block_q
     need = 2 * rows * dp * itemsize  # q, double-buffered
@@ -118,8 +143,17 @@ def vmem_need_fwd(groups, head_dim, itemsize, block_q, block_kv, block_kv_comput
     return need
 
 
-def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False,
-                  block_q_compute=None, block_kv_compute=None, fused_q_len=None) -> int:
+def vmem_need_bwd(
+    groups,
+    head_dim,
+    itemsize,
+    block_q,
+    block_kv,
+    segments=False,
+    block_q_compute=None,
+    block_kv_compute=None,
+    fused_q_len=None,
+) -> int:
     """The larger of the dk/dv and dq kernels' needs; with `fused_q_len` (the padded query
     length) the fused kernel's: dk/dv plus the sequence's dq (f32 scratch, double-buffered out)."""
     dp = _r(head_dim, NUM_LANES)
@@ -140,9 +174,10 @@ def vmem_need_bwd(groups, head_dim, itemsize, block_q, block_kv, segments=False,
     return max(dkdv, dq)
 
 
-def _budget(gen: TpuGeneration) -> int:
-    # What vmem_limit_bytes may grant, less the 1.25x + 2 MiB headroom it adds for Mosaic.
-    return int((gen.vmem_bytes * 3 // 4 - 2 * (1 << 20)) / 1.25)
+def vmem_budget_bytes(gen: TpuGeneration) -> int:
+    """VMEM a tile candidate may need: this family's share in tpu_generations.vmem_budget_bytes,
+    what vmem_limit_bytes may grant less the 1.25x + 2 MiB headroom it adds for Mosaic."""
+    return _generations.vmem_budget_bytes(gen, "flash_attention")
 
 
 def _candidates(q_len, kv_len, groups, gen):
@@ -170,19 +205,40 @@ def _pad_copy_bytes(q_len, kv_len, block_q, block_kv, hq, hkv, head_dim, itemsiz
     return q + kv
 
 
-def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, causal=False,
-                 window_size=(-1, -1), generation=None, total_q=None, total_kv=None,
-                 segments=False, override: Optional[Tiles] = None) -> Tiles:
+def choose_tiles(
+    *,
+    q_len,
+    kv_len,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    causal=False,
+    window_size=(-1, -1),
+    generation=None,
+    total_q=None,
+    total_kv=None,
+    segments=False,
+    override: Optional[Tiles] = None,
+) -> Tiles:
     """The tiles for one sequence of `q_len` x `kv_len` (the longest one for varlen)."""
     if override is not None:
         return override
     gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
     groups = num_q_heads // num_kv_heads
     isz = _itemsize(dtype)
-    budget = _budget(gen)
-    cost_kw = dict(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=q_len,
-                   kv_len=kv_len, head_dim=head_dim, dtype=dtype, causal=causal,
-                   window_size=window_size)
+    budget = vmem_budget_bytes(gen)
+    cost_kw = dict(
+        batch=1,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        dtype=dtype,
+        causal=causal,
+        window_size=window_size,
+    )
     best_f, best_b = None, None
     for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
         # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
@@ -190,8 +246,16 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
         if nf <= budget:
             t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc)
             c = estimate_cost(tiles=t, pass_="fwd", **cost_kw)
-            pad = _pad_copy_bytes(total_q or q_len, total_kv or kv_len, bq, bk, num_q_heads,
-                                  num_kv_heads, head_dim, isz)
+            pad = _pad_copy_bytes(
+                total_q or q_len,
+                total_kv or kv_len,
+                bq,
+                bk,
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                isz,
+            )
             key = (c.modelled_seconds(gen) + pad / gen.hbm_bytes_per_s, -bq * bk, -bqc)
             if best_f is None or key < best_f[0]:
                 best_f = (key, bq, bqc, bk, bkc, nf)
@@ -202,8 +266,17 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
             nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
             if nb > budget:
                 continue
-            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc, block_q_compute_bwd=bqc,
-                      block_kv_compute_bwd=bkc, fused_bwd=fused)
+            t = Tiles(
+                bq,
+                bk,
+                bkc,
+                bq,
+                bk,
+                block_q_compute=bqc,
+                block_q_compute_bwd=bqc,
+                block_kv_compute_bwd=bkc,
+                fused_bwd=fused,
+            )
             c = estimate_cost(tiles=t, pass_="bwd", **cost_kw)
             key = (c.modelled_seconds(gen), -bq * bk, -bqc)
             if best_b is None or key < best_b[0]:
@@ -211,26 +284,28 @@ def choose_tiles(*, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, dtype, c
     if best_f is None or best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
-            f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly")
+            f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly"
+        )
     _, bq, bqc, bk, bkc, nf = best_f
     _, bqb, bqcb, bkb, bkcb, nb, fused = best_b
-    return Tiles(bq, bk, bkc, bqb, bkb, vmem_limit_bytes=vmem_limit_bytes(gen, nf),
-                 vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb), block_q_compute=bqc,
-                 block_q_compute_bwd=bqcb, block_kv_compute_bwd=bkcb, fused_bwd=fused)
+    return Tiles(
+        bq,
+        bk,
+        bkc,
+        bqb,
+        bkb,
+        vmem_limit_bytes=vmem_limit_bytes(gen, nf),
+        vmem_limit_bytes_bwd=vmem_limit_bytes(gen, nb),
+        block_q_compute=bqc,
+        block_q_compute_bwd=bqcb,
+        block_kv_compute_bwd=bkcb,
+        fused_bwd=fused,
+    )
 
 
 # -------------------------------------------------------------------------------------------------
 # Cost model: the same work list the kernel walks, counted.
 # -------------------------------------------------------------------------------------------------
-
-
-def _band(causal, window_size):
-    left, right = window_size
-    hi = _UNBOUNDED if right < 0 else right
-    if causal:
-        hi = min(hi, 0)
-    lo = -_UNBOUNDED if left < 0 else -left
-    return lo, hi
 
 
 def _allowed_pairs(seqs, lo, hi) -> int:
@@ -277,14 +352,30 @@ def _segment_pairs(q_ids, kv_ids, seqs, lo, hi) -> int:
     return total
 
 
-def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, dtype,
-                  causal=False, window_size=(-1, -1), has_sinks=False, segments=False,
-                  cu_seqlens_q: Optional[Sequence[int]] = None,
-                  cu_seqlens_k: Optional[Sequence[int]] = None,
-                  q_segment_ids=None, kv_segment_ids=None,
-                  tiles: Optional[Tiles] = None, generation=None, pass_: str = "fwd",
-                  count_scalar_prefetch: bool = True, softcap: float = 0.0,
-                  calls: Optional[list] = None) -> KernelCost:
+def estimate_cost(
+    *,
+    batch,
+    num_q_heads,
+    num_kv_heads,
+    q_len,
+    kv_len,
+    head_dim,
+    dtype,
+    causal=False,
+    window_size=(-1, -1),
+    has_sinks=False,
+    segments=False,
+    cu_seqlens_q: Optional[Sequence[int]] = None,
+    cu_seqlens_k: Optional[Sequence[int]] = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    tiles: Optional[Tiles] = None,
+    generation=None,
+    pass_: str = "fwd",
+    count_scalar_prefetch: bool = True,
+    softcap: float = 0.0,
+    calls: Optional[list] = None,
+) -> KernelCost:
     """What the Pallas calls of one forward (`pass_="fwd"`) or backward (`"bwd"`: dk/dv and dq
     kernels) move and compute. Counts the kernels only: the layout transposes/pads around them and
     the backward's di = rowsum(do * o) prologue are XLA ops outside. For varlen give cu_seqlens
@@ -303,16 +394,22 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     issued MXU FLOPs, transcendentals = exp (and tanh with `softcap`) per computed score element
     plus the forward's rescale exp per row per tile, bytes_accessed = its HBM bytes), in call
     order; the kernels pass them to their pallas_calls."""
-    from .kernel import Band, build_work_list, max_work_items  # lazy: kernel imports tiling
-
     has_ids = q_segment_ids is not None
     segments = segments or has_ids
 
     if tiles is None:
-        tiles = choose_tiles(q_len=q_len, kv_len=kv_len, num_q_heads=num_q_heads,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                             causal=causal, window_size=window_size, generation=generation,
-                             segments=segments)
+        tiles = choose_tiles(
+            q_len=q_len,
+            kv_len=kv_len,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            causal=causal,
+            window_size=window_size,
+            generation=generation,
+            segments=segments,
+        )
     isz = _itemsize(dtype)
     G = num_q_heads // num_kv_heads
     B, Hkv, D = batch, num_kv_heads, head_dim
@@ -329,7 +426,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         seqs = tuple(np.array([v], np.int64) for v in (0, q_len, 0, kv_len, q_len - kv_len))
     n_seq = len(seqs[0])
     band = Band.make(causal, *window_size)
-    lo, hi = _band(causal, window_size)
+    lo, hi = band.lo, band.hi
     if has_ids:
         q_ids = np.asarray(q_segment_ids, np.int64)
         kv_ids = np.asarray(kv_segment_ids, np.int64)
@@ -340,7 +437,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
 
     def padded_ids(ids, length, fill):
         out = np.full((B, length), fill, np.int64)
-        out[:, :ids.shape[1]] = ids
+        out[:, : ids.shape[1]] = ids
         return out
 
     def items(bq, bk, kv_major):
@@ -353,17 +450,35 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         if per_row:
             qb = padded_ids(q_ids, Sq, -1).reshape(B, nq, bq)
             kb = padded_ids(kv_ids, Sk, -2).reshape(B, nk, bk)
-            lists = [build_work_list(s32, nq, nk, bq, bk, band, kv_major=kv_major,
-                                     segment_ranges=(qb[b].min(1), qb[b].max(1),
-                                                     kb[b].min(1), kb[b].max(1)))
-                     for b in range(B)]
+            lists = [
+                build_work_list(
+                    s32,
+                    nq,
+                    nk,
+                    bq,
+                    bk,
+                    band,
+                    kv_major=kv_major,
+                    segment_ranges=(qb[b].min(1), qb[b].max(1), kb[b].min(1), kb[b].max(1)),
+                )
+                for b in range(B)
+            ]
         else:
             lists = [band_list] * B
         # The grid walks the longest row's live items; shorter rows run padding items that repeat
         # their last item with flags 0 (no copy, no compute).
         steps = max(it.shape[1] for it in lists)
-        lists = [np.concatenate([it, np.repeat(it[:, -1:], steps - it.shape[1], axis=1)
-                                 * np.array([[1], [1], [1], [0]])], axis=1) for it in lists]
+        lists = [
+            np.concatenate(
+                [
+                    it,
+                    np.repeat(it[:, -1:], steps - it.shape[1], axis=1)
+                    * np.array([[1], [1], [1], [0]]),
+                ],
+                axis=1,
+            )
+            for it in lists
+        ]
         n_lists = B if per_row else 1
         smem = (n_lists * 4 * bound * 4 + 5 * n_seq * 4) if count_scalar_prefetch else 0
         return lists, smem
@@ -377,35 +492,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             return None
         qt = padded_ids(q_ids, Sq, -1).reshape(B, -1, bqc)
         kt = padded_ids(kv_ids, Sk, -2).reshape(B, -1, bkc)
-        return (qt.min(2), qt.max(2), kt.min(2), kt.max(2),
-                B * (Sq // bqc + Sk // bkc) * 2 * 4)
-
-    def count_live_tiles(lists, bq, bqc, bk, bkc, tables):
-        """Score tiles the kernels compute: per valid item, the (q compute tile, kv slice) pairs
-        holding an allowed (query, key) pair (and, with tables, whose documents meet)."""
-        qi, ki, si, fl = np.concatenate(lists, axis=1)
-        bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
-        valid = (fl & 1) != 0
-        ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
-        live = 0
-        for j in range(bq // bqc):
-            q_lo = np.maximum(qi * bq + j * bqc, ql)
-            q_hi = np.minimum(qi * bq + (j + 1) * bqc, qh)
-            for c in range(bk // bkc):
-                u0 = ki * bk + c * bkc
-                k_lo = np.maximum(u0, kl)
-                k_hi = np.minimum(u0 + bkc, kh)
-                ok = valid & (q_lo < q_hi) & (k_lo < k_hi)
-                if tables is not None:
-                    qt_min, qt_max, kt_min, kt_max, _ = tables
-                    gq, gk = qi * (bq // bqc) + j, ki * (bk // bkc) + c
-                    ok &= (qt_min[bi, gq] <= kt_max[bi, gk]) & (kt_min[bi, gk] <= qt_max[bi, gq])
-                if band.hi < _UNBOUNDED:
-                    ok &= k_lo - (q_hi - 1) + off <= band.hi
-                if band.lo > -_UNBOUNDED:
-                    ok &= (k_hi - 1) - q_lo + off >= band.lo
-                live += int(ok.sum())
-        return live
+        return (qt.min(2), qt.max(2), kt.min(2), kt.max(2), B * (Sq // bqc + Sk // bkc) * 2 * 4)
 
     if pass_ == "fwd":
         bq, bk, bkc, bqc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute, tiles.q_compute
@@ -422,16 +509,24 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
         tables = tile_tables(bqc, bkc)
         if tables is not None:
             hbm += tables[-1]  # the tile ranges: a whole-array SMEM copy
-        live_tiles = count_live_tiles(lists, bq, bqc, bk, bkc, tables)
+        live_tiles = count_live_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)
         mxu = Hkv * live_tiles * 2 * (2 * G * bqc * bkc * dp)
         steps = Hkv * sum(it.shape[1] for it in lists)
-        min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz
-                     + B * num_q_heads * q_len * 4)
+        min_bytes = (
+            B * num_q_heads * q_len * D * isz * 2
+            + 2 * B * Hkv * kv_len * D * isz
+            + B * num_q_heads * q_len * 4
+        )
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
         if calls is not None:
             elems = Hkv * live_tiles * G * bqc * bkc
-            calls.append(dict(flops=mxu, transcendentals=elems * (2 if softcap else 1)
-                              + Hkv * live_tiles * G * bqc, bytes_accessed=hbm))
+            calls.append(
+                dict(
+                    flops=mxu,
+                    transcendentals=elems * (2 if softcap else 1) + Hkv * live_tiles * G * bqc,
+                    bytes_accessed=hbm,
+                )
+            )
         return KernelCost(useful_fwd, mxu, hbm, min_bytes, steps, need)
 
     if pass_ != "bwd":
@@ -443,7 +538,7 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
     hbm = mxu = steps = 0
     if fused:  # dq of each (batch, head) written once, from the VMEM-resident block
         hbm += B * Hkv * G * Sq * D * isz
-    for kv_major, outs in (((True, "kv"),) if fused else ((True, "kv"), (False, "q"))):
+    for kv_major, outs in ((True, "kv"),) if fused else ((True, "kv"), (False, "q")):
         hbm_before, mxu_before = (0, 0) if kv_major else (hbm, mxu)  # fused: dq out in call 1
         lists, smem = items(bq, bk, kv_major)
         n_q = _fetches([it[0] for it in lists], True, Hkv)
@@ -456,24 +551,35 @@ def estimate_cost(*, batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim, 
             hbm += n_q * G * bq * D * isz  # dq
         if segments:
             # dq pass: q ids as columns [bq, 128], kv ids as rows [8, bk]; dk/dv pass: transposed.
-            q_seg, k_seg = ((NUM_SUBLANES * bq, bk * NUM_LANES) if kv_major
-                            else (bq * NUM_LANES, NUM_SUBLANES * bk))
+            q_seg, k_seg = (
+                (NUM_SUBLANES * bq, bk * NUM_LANES)
+                if kv_major
+                else (bq * NUM_LANES, NUM_SUBLANES * bk)
+            )
             hbm += _fetches([it[0] for it in lists], False, Hkv) * q_seg * 4
             hbm += _fetches([it[1] for it in lists], False, Hkv) * k_seg * 4
         hbm += smem + (tables[-1] if tables is not None else 0)
         # dk/dv visit each (kv slice, q tile) pair the dq pass visits as (q tile, kv slice):
         # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq); fused: 5 (+ dq).
-        live = count_live_tiles(lists, bq, bqc, bk, bkc, tables)
+        live = count_live_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)
         n_mm = (5 if fused else 4) if kv_major else 3
         mxu += Hkv * live * n_mm * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
         if calls is not None:
             elems = Hkv * live * G * bqc * bkc
-            calls.append(dict(flops=mxu - mxu_before,
-                              transcendentals=elems * (2 if softcap else 1),
-                              bytes_accessed=hbm - hbm_before))
-    min_bytes = (B * num_q_heads * q_len * D * isz * 2 + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
-                 + 2 * B * num_q_heads * q_len * 4  # lse, di
-                 + B * num_q_heads * q_len * D * isz + 2 * B * Hkv * kv_len * D * isz)  # dq, dk, dv
+            calls.append(
+                dict(
+                    flops=mxu - mxu_before,
+                    transcendentals=elems * (2 if softcap else 1),
+                    bytes_accessed=hbm - hbm_before,
+                )
+            )
+    min_bytes = (
+        B * num_q_heads * q_len * D * isz * 2
+        + 2 * B * Hkv * kv_len * D * isz  # q, do; k, v
+        + 2 * B * num_q_heads * q_len * 4  # lse, di
+        + B * num_q_heads * q_len * D * isz
+        + 2 * B * Hkv * kv_len * D * isz
+    )  # dq, dk, dv
     need = vmem_need_bwd(G, D, isz, bq, bk, segments, bqc, bkc, Sq if fused else None)
     return KernelCost(2 * useful_fwd, mxu, hbm, min_bytes, steps, need)

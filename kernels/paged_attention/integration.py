@@ -50,8 +50,21 @@ ATTN_IMPLEMENTATION = "paged_attention_tpu"
 HUB_ATTN_IMPLEMENTATION = f"{HUB_REPO_ID}:flash_attn_varlen_func"
 
 
-def attention_forward(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, is_causal=None, cache=None, **kwargs):
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    cache=None,
+    **kwargs,
+):
     """Transformers attention function: query [B, H, Sq, D], key/value [B, Hkv, Sk, D] ->
     (out [B, Sq, H, D], None)."""
     if dropout:
@@ -60,8 +73,9 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     cap = softcap or 0.0
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                                  kwargs=kwargs)
+        key, value = cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
+        )
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
@@ -71,15 +85,24 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
             cu_k = next(iter(cu_k.values()))
     else:
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("paged attention TPU: padded batches need continuous batching "
-                             "(generate_batch) or unpadded inputs")
+            raise ValueError(
+                "paged attention TPU: padded batches need continuous batching "
+                "(generate_batch) or unpadded inputs"
+            )
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
         cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
         cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
     out = ops.flash_attn_varlen_func(
-        q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]).contiguous(),
-        v.reshape(-1, *v.shape[-2:]).contiguous(), cu_q, cu_k, softmax_scale=scaling,
-        causal=is_causal, window_size=window, softcap=cap)
+        q.reshape(-1, *q.shape[-2:]),
+        k.reshape(-1, *k.shape[-2:]).contiguous(),
+        v.reshape(-1, *v.shape[-2:]).contiguous(),
+        cu_q,
+        cu_k,
+        softmax_scale=scaling,
+        causal=is_causal,
+        window_size=window,
+        softcap=cap,
+    )
     return out.reshape(q.shape[0], -1, *out.shape[-2:]), None
 
 
@@ -112,7 +135,8 @@ def enable_block_table_decode():
             return original(config, cb_config, user_requested)
         supported = all(
             initialization.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table
-            for t in initialization.group_layers_by_attn_type(config))
+            for t in initialization.group_layers_by_attn_type(config)
+        )
         if not supported:
             cb_config.max_blocks_per_request = 0
 
@@ -124,5 +148,10 @@ def enable_block_table_decode():
     return undo
 
 
-__all__ = ["register", "attention_forward", "enable_block_table_decode", "ATTN_IMPLEMENTATION",
-           "HUB_ATTN_IMPLEMENTATION"]
+__all__ = [
+    "register",
+    "attention_forward",
+    "enable_block_table_decode",
+    "ATTN_IMPLEMENTATION",
+    "HUB_ATTN_IMPLEMENTATION",
+]

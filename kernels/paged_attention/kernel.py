@@ -61,7 +61,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import schedule as _schedule
 from . import tiling
+from .schedule import LAYOUT, build_work_list
 from .tiling import PagedAttentionConfig
 from .tpu_generations import get_generation, vmem_limit_bytes
 
@@ -73,57 +75,9 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def build_work_list(kv_lens, cu_q_lens, num_seqs, *, block_q: int, num_q_blocks: int,
-                    page_size: int, pages_per_block: int, sliding_window: int | None,
-                    causal: bool, max_items: int):
-    """The kernel's work list as int32 arrays of length `max_items` (see the module docstring):
-    (q_block, seq, first_page, num_pages); seq == -1 and num_pages == 0 mark empty items. Also the
-    number of real items. Mirrors tiling.work_list_numpy item for item."""
-    num_slots = kv_lens.shape[0]
-    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
-    q_len = q_end - q_start
-    live = jnp.arange(num_slots) < num_seqs[0]
-    b = jnp.arange(num_q_blocks, dtype=jnp.int32)[:, None]
-    t0 = jnp.maximum(q_start[None, :], b * block_q)
-    t1 = jnp.minimum(q_end[None, :], (b + 1) * block_q)
-    overlap = (t0 < t1) & live[None, :]
-    base = (kv_lens - q_len - q_start)[None, :]  # position of token t is base + t
-    first_pos, last_pos = base + t0, base + t1 - 1
-    if causal:
-        k_lo = (jnp.zeros_like(first_pos) if sliding_window is None
-                else jnp.maximum(first_pos - sliding_window + 1, 0))
-        k_hi = last_pos
-    else:
-        k_lo = jnp.zeros_like(first_pos)
-        k_hi = jnp.broadcast_to(kv_lens[None, :] - 1, first_pos.shape)
-    p_lo = k_lo // page_size
-    p_hi = k_hi // page_size
-    nkb = jnp.where(overlap, _cdiv(p_hi - p_lo + 1, pages_per_block), 0)
-    empty_block = (nkb.sum(axis=1) == 0).astype(jnp.int32)
-    counts = jnp.concatenate([nkb, empty_block[:, None]], axis=1).reshape(-1)
-    ends = jnp.cumsum(counts)
-    starts = ends - counts
-    total = ends[-1]
-    i = jnp.arange(max_items, dtype=jnp.int32)
-    pair = jnp.minimum(jnp.searchsorted(ends, i, side="right"), counts.shape[0] - 1)
-    k = i - starts[pair]
-    qb, col = pair // (num_slots + 1), pair % (num_slots + 1)
-    is_seq = col < num_slots
-    s = jnp.minimum(col, num_slots - 1)
-    first = p_lo[qb, s] + k * pages_per_block
-    npages = jnp.minimum(pages_per_block, p_hi[qb, s] + 1 - first)
-    real = i < total
-    last_qb = qb[jnp.maximum(total - 1, 0)]
-    q_block = jnp.where(real, qb, last_qb)
-    seq = jnp.where(real & is_seq, s, -1)
-    first = jnp.where(real & is_seq, first, 0)
-    npages = jnp.where(real & is_seq, npages, 0)
-    work = jnp.stack([q_block, seq, first, npages]).astype(jnp.int32)
-    return work, total.astype(jnp.int32)
-
-
-def _token_major_head(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool, words: dict,
-                      arr: int):
+def _token_major_head(
+    buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool, words: dict, arr: int
+):
     """Keys (or values) of KV head h from a token-major VMEM slot [slots, kv_tok * hkv, D] (row
     t * hkv + h): a sublane-strided load. Mosaic has strided loads for 32-bit data only, so a
     16-bit buffer is read as uint32 words (each holds rows 2i and 2i+1, i.e. heads h and h^1 of one
@@ -145,8 +99,9 @@ def _token_major_head(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool
     return pltpu.bitcast(top, jnp.float32).astype(buf.dtype)
 
 
-def _token_major_head_8bit(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool,
-                           words: dict, arr: int):
+def _token_major_head_8bit(
+    buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32: bool, words: dict, arr: int
+):
     """KV head h of an int8 / float8_e4m3fn token-major slot as bfloat16 (exact: 8-bit integers and
     e4m3 values have at most 8 significant bits). A uint32 word holds heads 4j..4j+3 of one token
     (byte k = row 4i + k), so the head's rows are a strided word load and a byte extract. e4m3 is
@@ -167,7 +122,7 @@ def _token_major_head_8bit(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32:
     b = (w >> shift) & jnp.uint32(0xFF)
     em = b & jnp.uint32(0x7F)
     normal = pltpu.bitcast((em << 20) + jnp.uint32(120 << 23), jnp.float32)
-    sub = pltpu.bitcast(em, jnp.int32).astype(jnp.float32) * (2.0 ** -9)
+    sub = pltpu.bitcast(em, jnp.int32).astype(jnp.float32) * (2.0**-9)
     x = jnp.where(em >= 8, normal, sub)
     x = jnp.where((b & jnp.uint32(0x80)) != 0, -x, x)
     return x.astype(jnp.bfloat16)
@@ -175,18 +130,38 @@ def _token_major_head_8bit(buf, slot, h: int, hkv: int, kv_tok: int, unpack_u32:
 
 def _paged_kernel(
     # scalar prefetch (SMEM)
-    kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref,
+    kv_lens_ref,
+    cu_ref,
+    pt_ref,
+    work_ref,
+    nitems_ref,
     # inputs / outputs / scratch
     *refs,
-    n_arr: int, num_kv_heads: int, head_dim: int, group: int, block_q: int, page_size: int,
-    pages_per_block: int, pages_per_seq: int, max_items: int, narrow: int, sm_scale: float,
-    soft_cap: float | None, sliding_window: int | None, causal: bool, stream_pt: bool,
-    token_major: bool = False, unpack_u32: bool = False, quant: str | None = None,
-    token_scales: bool = False, static_scales: bool = False, sinks: bool = False,
+    n_arr: int,
+    num_kv_heads: int,
+    head_dim: int,
+    group: int,
+    block_q: int,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_seq: int,
+    max_items: int,
+    narrow: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    causal: bool,
+    stream_pt: bool,
+    token_major: bool = False,
+    unpack_u32: bool = False,
+    quant: str | None = None,
+    token_scales: bool = False,
+    static_scales: bool = False,
+    sinks: bool = False,
 ):
     q_ref = refs[0]
-    caches = refs[1:1 + n_arr]
-    refs = refs[1 + n_arr:]
+    caches = refs[1 : 1 + n_arr]
+    refs = refs[1 + n_arr :]
     if token_scales:  # per-token-per-head scales in HBM: K and V, [num_blocks, Hkv, block_size]
         scale_hbm, refs = refs[:2], refs[2:]
     if static_scales:  # per-head scales in SMEM: [2, Hkv] (K row, V row)
@@ -196,8 +171,8 @@ def _paged_kernel(
     if stream_pt:  # the page table stays in HBM: [S, 1, pages_per_seq]
         pt_hbm, refs = refs[0], refs[1:]
     o_ref = refs[0]
-    bufs = refs[1:1 + n_arr]
-    refs = refs[1 + n_arr:]
+    bufs = refs[1 : 1 + n_arr]
+    refs = refs[1 + n_arr :]
     if token_scales:  # VMEM slots of the items' scales: [2, Hkv, pages * block_size] each
         scale_bufs, refs = refs[:2], refs[2:]
     sem = refs[0]
@@ -217,20 +192,20 @@ def _paged_kernel(
     i = pl.program_id(0)
     nitems = nitems_ref[0]
 
-    def field(f, j):
-        return work_ref[f * max_items + j]
+    def field(name, j):
+        return LAYOUT.read(work_ref, name, j, max_items)
 
     def ids_copy(j):
         """DMA of item j's page-table row into SMEM slot j % 2 (streamed page tables)."""
-        seq = jnp.maximum(field(1, j), 0)
+        seq = jnp.maximum(field("SEQ", j), 0)
         slot = lax.rem(j, 2)
         return pltpu.make_async_copy(pt_hbm.at[seq], ids_ref.at[slot], ids_sem.at[slot])
 
     def page_of(j, p):
         if stream_pt:
-            return ids_ref[lax.rem(j, 2), 0, field(2, j) + p]
-        seq = jnp.maximum(field(1, j), 0)
-        return pt_ref[seq * pages_per_seq + field(2, j) + p]
+            return ids_ref[lax.rem(j, 2), 0, field("FIRST_PAGE", j) + p]
+        seq = jnp.maximum(field("SEQ", j), 0)
+        return pt_ref[seq * pages_per_seq + field("FIRST_PAGE", j) + p]
 
     def copies(j, slot, p, rows=None, start=True):
         """DMAs of page p of item j into `slot` (rows=(offset, size): only those rows). A wait
@@ -244,32 +219,48 @@ def _paged_kernel(
                 off, size = rows
                 r0 = pl.multiple_of(off * num_kv_heads, tiling.row_tile(bufs[0].dtype))
                 src = [caches[a].at[page, pl.ds(r0, size * num_kv_heads)] for a in range(n_arr)]
-                dst = [bufs[a].at[slot, pl.ds(p * page_rows + r0, size * num_kv_heads)]
-                       for a in range(n_arr)]
-            return [pltpu.make_async_copy(x, y, sem.at[slot, a])
-                    for a, (x, y) in enumerate(zip(src, dst))]
+                dst = [
+                    bufs[a].at[slot, pl.ds(p * page_rows + r0, size * num_kv_heads)]
+                    for a in range(n_arr)
+                ]
+            return [
+                pltpu.make_async_copy(x, y, sem.at[slot, a])
+                for a, (x, y) in enumerate(zip(src, dst))
+            ]
         if rows is None:
-            return [pltpu.make_async_copy(caches[a].at[page], bufs[a].at[slot, p], sem.at[slot, a])
-                    for a in range(n_arr)]
+            return [
+                pltpu.make_async_copy(caches[a].at[page], bufs[a].at[slot, p], sem.at[slot, a])
+                for a in range(n_arr)
+            ]
         off, size = rows
-        return [pltpu.make_async_copy(caches[a].at[page, :, pl.ds(off, size)],
-                                      bufs[a].at[slot, p, :, pl.ds(off, size)], sem.at[slot, a])
-                for a in range(n_arr)]
+        return [
+            pltpu.make_async_copy(
+                caches[a].at[page, :, pl.ds(off, size)],
+                bufs[a].at[slot, p, :, pl.ds(off, size)],
+                sem.at[slot, a],
+            )
+            for a in range(n_arr)
+        ]
 
     def scale_copies(j, slot, p, start=True):
         page = page_of(j, p) if start else 0
-        return [pltpu.make_async_copy(scale_hbm[a].at[page],
-                                      scale_bufs[a].at[slot, :, pl.ds(p * page_size, page_size)],
-                                      sem.at[slot, n_arr + a]) for a in range(2)]
+        return [
+            pltpu.make_async_copy(
+                scale_hbm[a].at[page],
+                scale_bufs[a].at[slot, :, pl.ds(p * page_size, page_size)],
+                sem.at[slot, n_arr + a],
+            )
+            for a in range(2)
+        ]
 
     def fetch(j, slot, start: bool):
         """Start (or wait for) the copies of item j's pages. Full pages are one DMA each; the
         sequence's last page, when partly filled, copies only its valid rows rounded up to the
         sublane tile, as a few power-of-two row chunks (static DMA shapes)."""
-        npages = field(3, j)
-        seq = jnp.maximum(field(1, j), 0)
+        npages = field("NUM_PAGES", j)
+        seq = jnp.maximum(field("SEQ", j), 0)
         last_p = npages - 1
-        last_rows = kv_lens_ref[seq] - (field(2, j) + last_p) * page_size
+        last_rows = kv_lens_ref[seq] - (field("FIRST_PAGE", j) + last_p) * page_size
         rows_up = lax.div(last_rows + copy_tile - 1, copy_tile) * copy_tile
         partial = (rows_up < page_size) if chunk_sizes else jnp.bool_(False)
         n_full = npages - partial.astype(jnp.int32)
@@ -279,6 +270,7 @@ def _paged_kernel(
                 c.start() if start else c.wait()
 
         for p in range(pages_per_block):
+
             @pl.when(p < n_full)
             def _():
                 go(copies(j, slot, p, start=start))
@@ -291,6 +283,7 @@ def _paged_kernel(
                     go(scale_copies(j, slot, p, start=start))
 
         for size in chunk_sizes:
+
             @pl.when((npages > 0) & partial & (lax.rem(lax.div(rows_up, size), 2) == 1))
             def _():
                 off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
@@ -323,9 +316,9 @@ def _paged_kernel(
             def _():
                 ids_copy(i + 2).start()
 
-    qb = field(0, i)
-    prev_qb = field(0, jnp.maximum(i - 1, 0))
-    next_qb = field(0, jnp.minimum(i + 1, max_items - 1))
+    qb = field("Q_BLOCK", i)
+    prev_qb = field("Q_BLOCK", jnp.maximum(i - 1, 0))
+    next_qb = field("Q_BLOCK", jnp.minimum(i + 1, max_items - 1))
     first_of_block = (i == 0) | (qb != prev_qb)
     last_of_block = (i == max_items - 1) | (qb != next_qb)
 
@@ -341,9 +334,9 @@ def _paged_kernel(
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    seq = jnp.maximum(field(1, i), 0)
-    first_page = field(2, i)
-    npages = field(3, i)
+    seq = jnp.maximum(field("SEQ", i), 0)
+    first_page = field("FIRST_PAGE", i)
+    npages = field("NUM_PAGES", i)
     q_start = cu_ref[seq]
     q_end = cu_ref[seq + 1]
     kv_len = kv_lens_ref[seq]
@@ -365,8 +358,9 @@ def _paged_kernel(
             if sliding_window is not None:
                 mask &= qpos - kpos < sliding_window
         v_ok = (jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < npages * page_size) & (
-            first_page * page_size
-            + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < kv_len)
+            first_page * page_size + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0)
+            < kv_len
+        )
         words = {}
         for h in range(num_kv_heads):
             if token_major:
@@ -384,8 +378,12 @@ def _paged_kernel(
             q = q_ref[h, pl.ds(r0, nr), :]
             if quant is not None:
                 q = q.astype(k.dtype)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) * sm_scale
+            s = (
+                jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+                * sm_scale
+            )
             if static_scales:
                 s = s * static_ref[0, h]
             if token_scales:
@@ -405,8 +403,9 @@ def _paged_kernel(
             if token_scales:
                 # V's per-key scales fold into the probabilities (masked: stale slots hold NaN).
                 p = jnp.where(mask, p * scale_bufs[1][slot, pl.ds(h, 1), :], 0.0)
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+            pv = jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             if static_scales:
                 pv = pv * static_ref[1, h]
             m_ref[h, pl.ds(r0, nr), :] = m_new
@@ -432,6 +431,7 @@ def _paged_kernel(
         def _():
             compute(0, rows)
     else:
+
         @pl.when(active)
         def _():
             compute(0, rows)
@@ -452,8 +452,11 @@ def token_major_supported(kv_dtype, num_kv_heads: int, page_size: int | None = N
         return False
     if size == 1:
         return num_kv_heads % 4 == 0
-    return num_kv_heads == 1 or size == 4 or (jnp.dtype(kv_dtype) == jnp.bfloat16
-                                               and num_kv_heads % 2 == 0)
+    return (
+        num_kv_heads == 1
+        or size == 4
+        or (jnp.dtype(kv_dtype) == jnp.bfloat16 and num_kv_heads % 2 == 0)
+    )
 
 
 def _tpu_interpret_mode(interpret) -> bool:
@@ -499,10 +502,25 @@ def ragged_paged_attention(
     num_pages, heads_in_cache, page_size = kv_pages.shape[:3]
     hkv = heads_in_cache // 2 if n_arr == 1 else heads_in_cache
     caches = [kv_pages] + ([v_pages] if n_arr == 2 else [])
-    return _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, hkv=hkv,
-                      page_size=page_size, token_major=False, sm_scale=sm_scale,
-                      sliding_window=sliding_window, soft_cap=soft_cap, causal=causal,
-                      config=config, generation=generation, interpret=interpret, sinks=sinks)
+    return _attention(
+        q,
+        caches,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        hkv=hkv,
+        page_size=page_size,
+        token_major=False,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        causal=causal,
+        config=config,
+        generation=generation,
+        interpret=interpret,
+        sinks=sinks,
+    )
 
 
 def paged_attention_token_major(
@@ -548,34 +566,81 @@ def paged_attention_token_major(
     if (k_scale is None) != (v_scale is None) or (k_head_scale is None) != (v_head_scale is None):
         raise ValueError("k/v scales: pass the K and V scales together")
     if new_k is not None:
-        k_cache, v_cache = write_kv_token_major(k_cache, v_cache, new_k, new_v, kv_lens,
-                                                page_table, cu_q_lens, num_seqs,
-                                                interpret=interpret)
+        k_cache, v_cache = write_kv_token_major(
+            k_cache,
+            v_cache,
+            new_k,
+            new_v,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            interpret=interpret,
+        )
         if k_scale is not None:
             if new_k_scale is None or new_v_scale is None:
                 raise ValueError("new_k_scale / new_v_scale: needed with new_k and k_scale")
-            slots = write_slots(kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-                                cu_q_lens.astype(jnp.int32),
-                                num_seqs.astype(jnp.int32).reshape(1), bs, new_k.shape[0],
-                                num_pages=nb)
+            slots = write_slots(
+                kv_lens.astype(jnp.int32),
+                page_table.astype(jnp.int32),
+                cu_q_lens.astype(jnp.int32),
+                num_seqs.astype(jnp.int32).reshape(1),
+                bs,
+                new_k.shape[0],
+                num_pages=nb,
+            )
             page, row = slots // bs, slots % bs
             k_scale = k_scale.at[page, :, row].set(new_k_scale.astype(k_scale.dtype), mode="drop")
             v_scale = v_scale.at[page, :, row].set(new_v_scale.astype(v_scale.dtype), mode="drop")
     caches = [k_cache.reshape(nb, bs * hkv, d), v_cache.reshape(nb, bs * hkv, d)]
-    out = _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, hkv=hkv, page_size=bs,
-                     token_major=True, sm_scale=sm_scale, sliding_window=sliding_window,
-                     soft_cap=soft_cap, causal=causal, config=config, generation=generation,
-                     interpret=interpret, token_scales=None if k_scale is None else (k_scale, v_scale),
-                     head_scales=None if k_head_scale is None else (k_head_scale, v_head_scale),
-                     sinks=sinks)
+    out = _attention(
+        q,
+        caches,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        hkv=hkv,
+        page_size=bs,
+        token_major=True,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        causal=causal,
+        config=config,
+        generation=generation,
+        interpret=interpret,
+        token_scales=None if k_scale is None else (k_scale, v_scale),
+        head_scales=None if k_head_scale is None else (k_head_scale, v_head_scale),
+        sinks=sinks,
+    )
     if new_k is None:
         return out
     return (out, k_cache, v_cache) if k_scale is None else (out, k_cache, v_cache, k_scale, v_scale)
 
 
-def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int, page_size: int,
-               token_major: bool, sm_scale, sliding_window, soft_cap, causal, config, generation,
-               interpret, token_scales=None, head_scales=None, sinks=None):
+def _attention(
+    q,
+    caches,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    hkv: int,
+    page_size: int,
+    token_major: bool,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    causal,
+    config,
+    generation,
+    interpret,
+    token_scales=None,
+    head_scales=None,
+    sinks=None,
+):
     T, hq, d = q.shape
     n_arr = len(caches)
     kv_dtype = caches[0].dtype
@@ -583,11 +648,13 @@ def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int,
     group = hq // hkv
     S, pages_per_seq = page_table.shape
     if token_major and not token_major_supported(kv_dtype, hkv, page_size):
-        raise ValueError(f"token-major caches of {jnp.dtype(kv_dtype).name} with {hkv} KV heads "
-                         f"and block_size {page_size}: 16-bit pages need bfloat16 and an even "
-                         "number of KV heads (or one), 8-bit pages a multiple of 4 KV heads, and "
-                         "block_size * KV heads a multiple of the sublane tile "
-                         f"({tiling.row_tile(kv_dtype)} rows)")
+        raise ValueError(
+            f"token-major caches of {jnp.dtype(kv_dtype).name} with {hkv} KV heads "
+            f"and block_size {page_size}: 16-bit pages need bfloat16 and an even "
+            "number of KV heads (or one), 8-bit pages a multiple of 4 KV heads, and "
+            "block_size * KV heads a multiple of the sublane tile "
+            f"({tiling.row_tile(kv_dtype)} rows)"
+        )
     quant = {1: ("int8" if kv_dtype == jnp.int8 else "fp8")}.get(jnp.dtype(kv_dtype).itemsize)
     if quant is not None and not token_major:
         raise ValueError("8-bit caches: only the token-major layout (paged_attention_token_major)")
@@ -596,47 +663,75 @@ def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int,
     if token_scales is not None:
         want = (caches[0].shape[0], hkv, page_size)
         if quant is None or page_size % 128:
-            raise ValueError("k_scale / v_scale (per token): 8-bit caches with block_size a "
-                             f"multiple of 128 (got {jnp.dtype(kv_dtype).name}, {page_size})")
+            raise ValueError(
+                "k_scale / v_scale (per token): 8-bit caches with block_size a "
+                f"multiple of 128 (got {jnp.dtype(kv_dtype).name}, {page_size})"
+            )
         for name, a in zip(("k_scale", "v_scale"), token_scales):
             if a.shape != want:
-                raise ValueError(f"{name}: expected shape {want} [num_blocks, Hkv, block_size], "
-                                 f"got {a.shape}")
+                raise ValueError(
+                    f"{name}: expected shape {want} [num_blocks, Hkv, block_size], got {a.shape}"
+                )
         token_scales = [a.astype(jnp.float32) for a in token_scales]
     if head_scales is not None:
         for name, a in zip(("k_head_scale", "v_head_scale"), head_scales):
             if a.shape != (hkv,):
-                raise ValueError(f"{name}: expected shape ({hkv},) (one per KV head), got {a.shape}")
+                raise ValueError(
+                    f"{name}: expected shape ({hkv},) (one per KV head), got {a.shape}"
+                )
         head_scales = jnp.stack([a.astype(jnp.float32) for a in head_scales])
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks: expected shape ({hq},) (one per query head), got {sinks.shape}")
-    sm_scale = float(d ** -0.5 if sm_scale is None else sm_scale)
-    cfg = tiling.choose_config(num_tokens=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                               page_size=page_size, pages_per_seq=pages_per_seq,
-                               q_dtype=q.dtype, kv_dtype=kv_dtype, generation=generation,
-                               config=config)
+    sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
+    cfg = tiling.choose_config(
+        num_tokens=T,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        q_dtype=q.dtype,
+        kv_dtype=kv_dtype,
+        generation=generation,
+        config=config,
+    )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _cdiv(max(T, 1), bq) * bq
     nqb = t_pad // bq
     rows = bq * group
-    max_items = cfg.max_items or tiling.max_items_bound(
-        num_q_blocks=nqb, max_num_seqs=S, pages_per_seq=pages_per_seq, pages_per_block=ppb,
-        block_q=bq, page_size=page_size, sliding_window=sliding_window if causal else None)
+    max_items = cfg.max_items or _schedule.max_items_bound(
+        num_q_blocks=nqb,
+        max_num_seqs=S,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=ppb,
+        block_q=bq,
+        page_size=page_size,
+        sliding_window=sliding_window if causal else None,
+    )
     stream_pt = tiling.streams_page_table(S, pages_per_seq, cfg)
     smem = tiling.smem_bytes(S, pages_per_seq, max_items, stream_pt)
     if smem > tiling.SMEM_BUDGET_BYTES:
         raise ValueError(
             f"work list ({max_items} items) and page table ({S} x {pages_per_seq}, "
             f"{'streamed' if stream_pt else 'resident'}) need {smem} bytes of SMEM, over the "
-            f"{tiling.SMEM_BUDGET_BYTES}-byte budget: split the batch or use larger pages")
+            f"{tiling.SMEM_BUDGET_BYTES}-byte budget: split the batch or use larger pages"
+        )
 
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32).reshape(1)
-    work, total = build_work_list(kv_lens, cu_q_lens, num_seqs, block_q=bq, num_q_blocks=nqb,
-                                  page_size=page_size, pages_per_block=ppb,
-                                  sliding_window=sliding_window, causal=causal,
-                                  max_items=max_items)
+    work, total = build_work_list(
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        block_q=bq,
+        num_q_blocks=nqb,
+        page_size=page_size,
+        pages_per_block=ppb,
+        sliding_window=sliding_window,
+        causal=causal,
+        max_items=max_items,
+    )
 
     # [T, Hq, D] -> [Hkv, T_pad * G, D]: the G query heads of a KV head become token-major rows.
     qh = q.reshape(T, hkv, group, d).transpose(1, 0, 2, 3)
@@ -650,13 +745,29 @@ def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int,
         pt_smem, pt_hbm = page_table.reshape(-1), []
 
     kernel = functools.partial(
-        _paged_kernel, n_arr=n_arr, num_kv_heads=hkv, head_dim=d, group=group, block_q=bq,
-        page_size=page_size, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        max_items=max_items, narrow=tiling.narrow_rows(group, rows), sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, causal=causal, stream_pt=stream_pt,
-        token_major=token_major, unpack_u32=not _tpu_interpret_mode(interpret), quant=quant,
-        token_scales=token_scales is not None, static_scales=head_scales is not None,
-        sinks=sinks is not None)
+        _paged_kernel,
+        n_arr=n_arr,
+        num_kv_heads=hkv,
+        head_dim=d,
+        group=group,
+        block_q=bq,
+        page_size=page_size,
+        pages_per_block=ppb,
+        pages_per_seq=pages_per_seq,
+        max_items=max_items,
+        narrow=tiling.narrow_rows(group, rows),
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        causal=causal,
+        stream_pt=stream_pt,
+        token_major=token_major,
+        unpack_u32=not _tpu_interpret_mode(interpret),
+        quant=quant,
+        token_scales=token_scales is not None,
+        static_scales=head_scales is not None,
+        sinks=sinks is not None,
+    )
     extra_in, extra_specs, scale_scratch = [], [], []
     if token_scales is not None:
         extra_in += token_scales
@@ -672,60 +783,100 @@ def _attention(q, caches, kv_lens, page_table, cu_q_lens, num_seqs, *, hkv: int,
         extra_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, 0, 0)))
 
     def qo_map(i, kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref):
-        return (0, work_ref[i], 0)
+        return (0, LAYOUT.read(work_ref, "Q_BLOCK", i, max_items), 0)
 
     gen = get_generation(generation)
-    need = tiling.vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
-                                  num_kv_heads=hkv, group=group, head_dim=d, q_dtype=q.dtype,
-                                  kv_dtype=kv_dtype, token_scales=token_scales is not None,
-                                  sinks=sinks is not None)
+    need = tiling.vmem_need_bytes(
+        block_q=bq,
+        pages_per_block=ppb,
+        page_size=page_size,
+        num_kv_heads=hkv,
+        group=group,
+        head_dim=d,
+        q_dtype=q.dtype,
+        kv_dtype=kv_dtype,
+        token_scales=token_scales is not None,
+        sinks=sinks is not None,
+    )
     if token_major:
         # One flat [pages * page_size * Hkv, D] slot per cache: row t * Hkv + h.
         kv_scratch = [pltpu.VMEM((2, ppb * page_size * hkv, d), kv_dtype) for _ in range(n_arr)]
     else:
-        kv_scratch = [pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_dtype)
-                      for _ in range(n_arr)]
+        kv_scratch = [
+            pltpu.VMEM((2, ppb, heads_in_cache, page_size, d), kv_dtype) for _ in range(n_arr)
+        ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(max_items,),
         in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr + extra_specs
+        + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr
+        + extra_specs
         + [pl.BlockSpec(memory_space=pl.ANY)] * int(stream_pt),
         out_specs=pl.BlockSpec((hkv, rows, d), qo_map),
-        scratch_shapes=kv_scratch + scale_scratch
+        scratch_shapes=kv_scratch
+        + scale_scratch
         + [
             pltpu.SemaphoreType.DMA((2, n_arr + 2 * int(token_scales is not None))),
         ]
-        + ([pltpu.SMEM((2, 1, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
-           if stream_pt else [])
+        + (
+            [pltpu.SMEM((2, 1, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
+            if stream_pt
+            else []
+        )
         + [
             pltpu.VMEM((hkv, rows, 1), jnp.float32),
             pltpu.VMEM((hkv, rows, 1), jnp.float32),
             pltpu.VMEM((hkv, rows, d), jnp.float32),
         ],
     )
-    cost = tiling.static_cost(num_tokens=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                              page_size=page_size, num_seqs=S, pages_per_seq=pages_per_seq,
-                              num_pages=caches[0].shape[0], q_dtype=q.dtype, kv_dtype=kv_dtype,
-                              config=cfg, sliding_window=sliding_window if causal else None)
+    cost = tiling.static_cost(
+        num_tokens=T,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        num_seqs=S,
+        pages_per_seq=pages_per_seq,
+        num_pages=caches[0].shape[0],
+        q_dtype=q.dtype,
+        kv_dtype=kv_dtype,
+        config=cfg,
+        sliding_window=sliding_window if causal else None,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, d), q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=cfg.vmem_limit_bytes or vmem_limit_bytes(gen, need)),
+            vmem_limit_bytes=cfg.vmem_limit_bytes or vmem_limit_bytes(gen, need),
+        ),
         cost_estimate=pl.CostEstimate(**cost),
         interpret=interpret,
         name="ragged_paged_attention_tm" if token_major else "ragged_paged_attention",
-    )(kv_lens, cu_q_lens, pt_smem, work.reshape(-1), total.reshape(1), qh, *caches, *extra_in,
-      *pt_hbm)
+    )(
+        kv_lens,
+        cu_q_lens,
+        pt_smem,
+        work.reshape(-1),
+        total.reshape(1),
+        qh,
+        *caches,
+        *extra_in,
+        *pt_hbm,
+    )
     out = out.reshape(hkv, t_pad, group, d)[:, :T].transpose(1, 0, 2, 3).reshape(T, hq, d)
     return out
 
 
-def write_kv(kv_pages: jax.Array, new_kv: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
-             cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+def write_kv(
+    kv_pages: jax.Array,
+    new_kv: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> jax.Array:
     """The cache with the new tokens' K/V written at their slots, everything else unchanged.
 
     kv_pages [num_pages, C, page_size, D] (head-major pages), new_kv [T, C, D]: token t of sequence
@@ -740,14 +891,16 @@ def write_kv(kv_pages: jax.Array, new_kv: jax.Array, kv_lens: jax.Array, page_ta
     (decode batches); for 2111 tokens it adds a full-cache temporary.
     """
     num_pages, _, page_size, _ = kv_pages.shape
-    slots = write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size, new_kv.shape[0],
-                        num_pages=num_pages)
+    slots = write_slots(
+        kv_lens, page_table, cu_q_lens, num_seqs, page_size, new_kv.shape[0], num_pages=num_pages
+    )
     page, row = slots // page_size, slots % page_size
     return kv_pages.at[page, :, row, :].set(new_kv.astype(kv_pages.dtype), mode="drop")
 
 
-def write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_tokens: int,
-                num_pages: int):
+def write_slots(
+    kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_tokens: int, num_pages: int
+):
     """Flat cache slot (page * page_size + row) of each packed new token; out of range
     (num_pages * page_size) for tokens of no live sequence."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -761,13 +914,13 @@ def write_slots(kv_lens, page_table, cu_q_lens, num_seqs, page_size: int, num_to
     return jnp.where(t < live_end, slot, num_pages * page_size)
 
 
-
 # DMAs of the cache writer in flight at once before the oldest is waited for.
 WRITE_WINDOW = 16
 
 
-def _write_kernel(slots_ref, new_k, new_v, k_in, v_in, k_out, v_out, sem, *, num_tokens: int,
-                  page_size: int):
+def _write_kernel(
+    slots_ref, new_k, new_v, k_in, v_in, k_out, v_out, sem, *, num_tokens: int, page_size: int
+):
     """Token t's K and V rows ([Hkv, D], one contiguous row of a token-major page) are copied by
     one DMA each from the new K/V into slot slots_ref[t] of the caches (skipped when < 0), HBM to
     HBM, at most WRITE_WINDOW tokens in flight."""
@@ -775,8 +928,10 @@ def _write_kernel(slots_ref, new_k, new_v, k_in, v_in, k_out, v_out, sem, *, num
 
     def copies(t, slot):
         page, row = lax.div(slot, page_size), lax.rem(slot, page_size)
-        return (pltpu.make_async_copy(new_k.at[t], k_out.at[page, row], sem.at[0]),
-                pltpu.make_async_copy(new_v.at[t], v_out.at[page, row], sem.at[1]))
+        return (
+            pltpu.make_async_copy(new_k.at[t], k_out.at[page, row], sem.at[0]),
+            pltpu.make_async_copy(new_v.at[t], v_out.at[page, row], sem.at[1]),
+        )
 
     def wait(t):
         @pl.when(slots_ref[t] >= 0)
@@ -803,9 +958,18 @@ def _write_kernel(slots_ref, new_k, new_v, k_in, v_in, k_out, v_out, sem, *, num
         wait(j)
 
 
-def write_kv_token_major(k_cache: jax.Array, v_cache: jax.Array, new_k: jax.Array,
-                         new_v: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
-                         cu_q_lens: jax.Array, num_seqs: jax.Array, *, interpret=False):
+def write_kv_token_major(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    interpret=False,
+):
     """(k_cache, v_cache) with the new tokens' K/V written at their slots by a Pallas kernel whose
     outputs alias the caches (input_output_aliases): with the caches donated to the enclosing jit
     the write is in place, whatever the number of new tokens (decode, chunked prefill, mixed).
@@ -818,31 +982,51 @@ def write_kv_token_major(k_cache: jax.Array, v_cache: jax.Array, new_k: jax.Arra
     """
     nb, bs, hkv, d = k_cache.shape
     T = new_k.shape[0]
-    slots = write_slots(kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-                        cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32).reshape(1), bs,
-                        T, num_pages=nb)
+    slots = write_slots(
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32).reshape(1),
+        bs,
+        T,
+        num_pages=nb,
+    )
     slots = jnp.where(slots < nb * bs, slots, -1).astype(jnp.int32)
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     row_bytes = hkv * d * itemsize
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(1,), in_specs=[any_spec] * 4,
-        out_specs=[any_spec, any_spec], scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])
+        num_scalar_prefetch=1,
+        grid=(1,),
+        in_specs=[any_spec] * 4,
+        out_specs=[any_spec, any_spec],
+        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
+    )
     return pl.pallas_call(
         functools.partial(_write_kernel, num_tokens=T, page_size=bs),
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         # Each new token's K and V rows: read once from new_k / new_v, written once.
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                      bytes_accessed=int(2 * 2 * T * row_bytes + 4 * T)),
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=int(2 * 2 * T * row_bytes + 4 * T)
+        ),
         interpret=interpret,
         name="paged_kv_write",
     )(slots, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), k_cache, v_cache)
 
 
-__all__ = ["ragged_paged_attention", "paged_attention_token_major", "write_kv_token_major",
-           "token_major_supported",
-           "build_work_list", "write_kv", "write_slots", "PagedAttentionConfig"]
+__all__ = [
+    "ragged_paged_attention",
+    "paged_attention_token_major",
+    "write_kv_token_major",
+    "token_major_supported",
+    "build_work_list",
+    "write_kv",
+    "write_slots",
+    "PagedAttentionConfig",
+]

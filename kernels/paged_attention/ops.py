@@ -24,12 +24,24 @@ views, cross to JAX by dlpack without a copy). Only float16 caches and bfloat16 
 odd number (> 1) of KV heads still get a head-major copy per call.
 `flash_attn_varlen_func` scatters the packed K/V into 16-token pages on every call (one copy of K/V).
 No autograd: these are inference kernels (backward raises).
+
+Shape buckets (shape_buckets.py). Every public function pads what varies between calls before the
+op runs: query tokens (and, for the varlen function, the packed keys) up to their token bucket,
+the number of sequences (page-table rows, kv_lens, cu_q_lens) and the page-table columns up to
+their count bucket. Padded query rows lie past cu_q_lens[num_seqs] and padded sequences past the
+live num_seqs (or, in the varlen function, have no tokens and no keys): the kernel never visits
+them, their output rows are cut off, and padded page-table entries (page 0) are never read. The
+number of live sequences, their lengths and positions are data (num_seqs, cu_q_lens, kv_lens),
+never compile keys. The caches keep their own shape (a server allocates them once).
+What stays a compile key: causal, sliding_window, softcap and the softmax scale (fixed per model,
+folded into the kernel), head counts, head dim, page size, dtype and the cache's shape.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +50,7 @@ import torch
 from . import kernel
 from ._ops import add_op_namespace_prefix
 from .jax_bridge import jax_op, pallas_interpret
+from .shape_buckets import bucket_count, bucket_tokens
 
 VARLEN_PAGE_SIZE = 16
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,13 +75,34 @@ def _rpa_jax(
     causal: bool = True,
 ) -> jax.Array:
     return kernel.ragged_paged_attention(
-        q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_pages=v_cache,
-        sm_scale=softmax_scale, sliding_window=sliding_window, soft_cap=softcap, causal=causal,
-        interpret=pallas_interpret())
+        q,
+        kv_cache,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        v_pages=v_cache,
+        sm_scale=softmax_scale,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        causal=causal,
+        interpret=pallas_interpret(),
+    )
 
 
-def _rpa_fake(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_cache=None,
-              softmax_scale=None, sliding_window=None, softcap=None, causal=True):
+def _rpa_fake(
+    q,
+    kv_cache,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    v_cache=None,
+    softmax_scale=None,
+    sliding_window=None,
+    softcap=None,
+    causal=True,
+):
     return torch.empty_like(q)
 
 
@@ -95,7 +129,9 @@ def _varlen_jax(
     first_page = jnp.cumsum(pages_of) - pages_of
     pages_per_seq = max(1, -(-tk // page_size))
     num_pages = pages_per_seq + S
-    page_table = jnp.minimum(first_page[:, None] + jnp.arange(pages_per_seq)[None, :], num_pages - 1)
+    page_table = jnp.minimum(
+        first_page[:, None] + jnp.arange(pages_per_seq)[None, :], num_pages - 1
+    )
     j = jnp.arange(tk)
     seq = jnp.clip(jnp.searchsorted(cu_seqlens_k, j, side="right") - 1, 0, S - 1)
     r = j - cu_seqlens_k[seq]
@@ -103,20 +139,44 @@ def _varlen_jax(
     kv = jnp.stack([k, v], axis=2).reshape(tk, 2 * hkv, d)
     # Rows past cu_seqlens_k[-1] (padding) land after their sequence's keys or past the cache
     # (dropped), never on a valid key.
-    cache = jnp.zeros((num_pages, 2 * hkv, page_size, d), k.dtype).at[page, :, row, :].set(
-        kv, mode="drop")
+    cache = (
+        jnp.zeros((num_pages, 2 * hkv, page_size, d), k.dtype)
+        .at[page, :, row, :]
+        .set(kv, mode="drop")
+    )
     return kernel.ragged_paged_attention(
-        q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-        cu_seqlens_q.astype(jnp.int32), jnp.full((1,), S, jnp.int32), sm_scale=softmax_scale,
-        sliding_window=sliding_window, soft_cap=softcap, causal=causal, interpret=pallas_interpret())
+        q,
+        cache,
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_seqlens_q.astype(jnp.int32),
+        jnp.full((1,), S, jnp.int32),
+        sm_scale=softmax_scale,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        causal=causal,
+        interpret=pallas_interpret(),
+    )
 
 
-def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, sliding_window=None,
-                 softcap=None, causal=False, page_size=VARLEN_PAGE_SIZE):
+def _varlen_fake(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    softmax_scale=None,
+    sliding_window=None,
+    softcap=None,
+    causal=False,
+    page_size=VARLEN_PAGE_SIZE,
+):
     return torch.empty_like(q)
 
 
-varlen_op = jax_op(add_op_namespace_prefix("paged_varlen_attention"), _varlen_jax, fake=_varlen_fake)
+varlen_op = jax_op(
+    add_op_namespace_prefix("paged_varlen_attention"), _varlen_jax, fake=_varlen_fake
+)
 
 
 def _kvcache_jax(
@@ -125,39 +185,58 @@ def _kvcache_jax(
     v_cache: jax.Array,
     kv_lens: jax.Array,
     block_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
     softmax_scale: Optional[float] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     causal: bool = False,
 ) -> jax.Array:
-    """flash-attn layout: q [B, Sq, H, D], caches [nb, bs, Hkv, D] -> out [B, Sq, H, D]. The
-    kernel reads the token-major caches in place; only float16 caches, bfloat16 ones with an odd
-    number (> 1) of KV heads (its strided word reads cannot unpack them), or blocks whose
+    """flash-attn caches: packed q [T, H, D] (sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1],
+    the first num_seqs sequences are live), caches [nb, bs, Hkv, D] -> out [T, H, D]. The kernel
+    reads the token-major caches in place; only float16 caches, bfloat16 ones with an odd number
+    (> 1) of KV heads (its strided word reads cannot unpack them), or blocks whose
     block_size * kv_heads rows do not fill whole sublane tiles take a head-major copy."""
-    b, sq, h, d = q.shape
     hkv = k_cache.shape[2]
-    cu = (jnp.arange(b + 1) * sq).astype(jnp.int32)
-    args = (kv_lens.astype(jnp.int32), block_table.astype(jnp.int32), cu,
-            jnp.full((1,), b, jnp.int32))
-    kw = dict(sm_scale=softmax_scale, sliding_window=sliding_window, soft_cap=softcap,
-              causal=causal, interpret=pallas_interpret())
+    args = (
+        kv_lens.astype(jnp.int32),
+        block_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32).reshape(1),
+    )
+    kw = dict(
+        sm_scale=softmax_scale,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        causal=causal,
+        interpret=pallas_interpret(),
+    )
     if kernel.token_major_supported(k_cache.dtype, hkv, k_cache.shape[1]):
-        out = kernel.paged_attention_token_major(q.reshape(b * sq, h, d), k_cache, v_cache, *args,
-                                                 **kw)
-    else:
-        out = kernel.ragged_paged_attention(
-            q.reshape(b * sq, h, d), k_cache.transpose(0, 2, 1, 3), *args,
-            v_pages=v_cache.transpose(0, 2, 1, 3), **kw)
-    return out.reshape(b, sq, h, d)
+        return kernel.paged_attention_token_major(q, k_cache, v_cache, *args, **kw)
+    return kernel.ragged_paged_attention(
+        q, k_cache.transpose(0, 2, 1, 3), *args, v_pages=v_cache.transpose(0, 2, 1, 3), **kw
+    )
 
 
-def _kvcache_fake(q, k_cache, v_cache, kv_lens, block_table, softmax_scale=None,
-                  sliding_window=None, softcap=None, causal=False):
+def _kvcache_fake(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_table,
+    cu_q_lens,
+    num_seqs,
+    softmax_scale=None,
+    sliding_window=None,
+    softcap=None,
+    causal=False,
+):
     return torch.empty_like(q)
 
 
-kvcache_op = jax_op(add_op_namespace_prefix("paged_flash_attn_with_kvcache"), _kvcache_jax,
-                    fake=_kvcache_fake)
+kvcache_op = jax_op(
+    add_op_namespace_prefix("paged_flash_attn_with_kvcache"), _kvcache_jax, fake=_kvcache_fake
+)
 
 
 def _no_backward(ctx, grad):
@@ -190,17 +269,30 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_options(softmax_scale, sliding_window, softcap):
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
-                                          and math.isfinite(softmax_scale)):
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window: expected a positive int (keys p-w+1..p), got {sliding_window!r}")
+        raise ValueError(
+            f"sliding_window: expected a positive int (keys p-w+1..p), got {sliding_window!r}"
+        )
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap: expected a positive float or None, got {softcap!r}")
 
 
-def validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *, v_cache=None,
-                    new_kv=None, check_data=True):
+def validate_ragged(
+    q,
+    kv_cache,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    v_cache=None,
+    new_kv=None,
+    check_data=True,
+):
     """Raise ValueError/TypeError for anything the kernel could not run safely. Returns num_seqs
     as an int (host), or None without check_data."""
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
@@ -210,7 +302,9 @@ def validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *, v_
     _check_tensor("cu_q_lens", cu_q_lens, 1, _INT_DTYPES)
     _check_tensor("num_seqs", num_seqs, None, _INT_DTYPES)
     if num_seqs.numel() != 1:
-        raise ValueError(f"num_seqs: expected a 1-element int tensor, got shape {tuple(num_seqs.shape)}")
+        raise ValueError(
+            f"num_seqs: expected a 1-element int tensor, got shape {tuple(num_seqs.shape)}"
+        )
     T, hq, d = q.shape
     num_pages, c, page_size, dc = kv_cache.shape
     if kv_cache.dtype != q.dtype:
@@ -219,28 +313,38 @@ def validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *, v_
         raise ValueError(f"kv_cache: head_dim {dc} differs from q's head_dim {d}")
     if v_cache is None:
         if c % 2:
-            raise ValueError(f"kv_cache: dim 1 holds K and V of each KV head (2 * kv_heads), got {c}")
+            raise ValueError(
+                f"kv_cache: dim 1 holds K and V of each KV head (2 * kv_heads), got {c}"
+            )
         hkv = c // 2
     else:
         _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
         if v_cache.shape != kv_cache.shape or v_cache.dtype != kv_cache.dtype:
-            raise ValueError(f"v_cache: expected shape {tuple(kv_cache.shape)} and dtype "
-                             f"{kv_cache.dtype}, got {tuple(v_cache.shape)} {v_cache.dtype}")
+            raise ValueError(
+                f"v_cache: expected shape {tuple(kv_cache.shape)} and dtype "
+                f"{kv_cache.dtype}, got {tuple(v_cache.shape)} {v_cache.dtype}"
+            )
         hkv = c
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
     if page_size % 8:
-        raise ValueError(f"kv_cache: page_size {page_size} must be a multiple of 8 (TPU sublane tile)")
+        raise ValueError(
+            f"kv_cache: page_size {page_size} must be a multiple of 8 (TPU sublane tile)"
+        )
     S, P = page_table.shape
     if kv_lens.shape[0] != S:
         raise ValueError(f"kv_lens: expected {S} entries (page_table rows), got {kv_lens.shape[0]}")
     if cu_q_lens.shape[0] != S + 1:
-        raise ValueError(f"cu_q_lens: expected {S + 1} entries (page_table rows + 1), got {cu_q_lens.shape[0]}")
+        raise ValueError(
+            f"cu_q_lens: expected {S + 1} entries (page_table rows + 1), got {cu_q_lens.shape[0]}"
+        )
     if new_kv is not None:
         _check_tensor("new_kv", new_kv, 3, _FLOAT_DTYPES)
         if tuple(new_kv.shape) != (T, c, d) or v_cache is not None:
-            raise ValueError(f"new_kv: expected shape {(T, c, d)} (K/V interleaved like kv_cache) with "
-                             f"a combined cache, got {tuple(new_kv.shape)}")
+            raise ValueError(
+                f"new_kv: expected shape {(T, c, d)} (K/V interleaved like kv_cache) with "
+                f"a combined cache, got {tuple(new_kv.shape)}"
+            )
     if not check_data:
         return None
     n = int(num_seqs.reshape(-1)[0].item())
@@ -258,19 +362,24 @@ def validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *, v_
         raise ValueError(f"cu_q_lens[num_seqs] = {int(cu[-1])} exceeds the {T} query tokens of q")
     if bool((kl < ql).any()):
         bad = int(torch.nonzero(kl < ql)[0])
-        raise ValueError(f"sequence {bad}: {int(ql[bad])} query tokens but kv_lens = {int(kl[bad])} "
-                         "(kv_lens counts the new tokens too)")
+        raise ValueError(
+            f"sequence {bad}: {int(ql[bad])} query tokens but kv_lens = {int(kl[bad])} "
+            "(kv_lens counts the new tokens too)"
+        )
     if bool((kl > P * page_size).any()):
         bad = int(torch.nonzero(kl > P * page_size)[0])
-        raise ValueError(f"sequence {bad}: kv_lens = {int(kl[bad])} exceeds the {P} pages x "
-                         f"{page_size} tokens its page_table row can address")
+        raise ValueError(
+            f"sequence {bad}: kv_lens = {int(kl[bad])} exceeds the {P} pages x "
+            f"{page_size} tokens its page_table row can address"
+        )
     pt = page_table.detach().to("cpu", torch.int64)[:n]
     used = torch.arange(P)[None, :] < ((kl + page_size - 1) // page_size)[:, None]
     bad_entries = used & ((pt < 0) | (pt >= num_pages))
     if bool(bad_entries.any()):
         s, i = (int(x) for x in torch.nonzero(bad_entries)[0])
-        raise ValueError(f"page_table[{s}, {i}] = {int(pt[s, i])} is outside [0, {num_pages}) "
-                         "(cache pages)")
+        raise ValueError(
+            f"page_table[{s}, {i}] = {int(pt[s, i])} is outside [0, {num_pages}) (cache pages)"
+        )
     return n
 
 
@@ -324,14 +433,65 @@ def ragged_paged_attention(
     if isinstance(num_seqs, int):
         num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=kv_lens.device)
     _check_options(softmax_scale, sliding_window, softcap)
-    n = validate_ragged(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, v_cache=v_cache,
-                        new_kv=new_kv, check_data=validate)
+    n = validate_ragged(
+        q,
+        kv_cache,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        v_cache=v_cache,
+        new_kv=new_kv,
+        check_data=validate,
+    )
     if new_kv is not None:
         _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n)
-    return rpa_op(q, kv_cache, _i32(kv_lens), _i32(page_table), _i32(cu_q_lens),
-                  _i32(num_seqs.reshape(1)), v_cache,
-                  None if softmax_scale is None else float(softmax_scale), sliding_window,
-                  None if softcap is None else float(softcap), bool(causal))
+    tokens = q.shape[0]
+    kv_lens_p, page_table_p, cu_p = _pad_tables(_i32(kv_lens), _i32(page_table), _i32(cu_q_lens))
+    out = rpa_op(
+        _pad_tokens(q, bucket_tokens(tokens)),
+        kv_cache,
+        kv_lens_p,
+        page_table_p,
+        cu_p,
+        _i32(num_seqs.reshape(1)),
+        v_cache,
+        None if softmax_scale is None else float(softmax_scale),
+        sliding_window,
+        None if softcap is None else float(softcap),
+        bool(causal),
+    )
+    return out[:tokens]
+
+
+def _pad_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """x [T, ...] with zero rows appended up to `tokens`."""
+    extra = tokens - x.shape[0]
+    if extra <= 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, extra))
+
+
+def _pad_offsets(cu: torch.Tensor, entries: int) -> torch.Tensor:
+    """cu [S + 1] extended to `entries` by repeating its last offset (sequences with no tokens)."""
+    extra = entries - cu.shape[0]
+    if extra <= 0:
+        return cu
+    return torch.cat([cu, cu[-1:].expand(extra)])
+
+
+def _pad_tables(kv_lens, page_table, cu_q_lens):
+    """Sequence slots and page-table columns padded to their count buckets: padded slots have no
+    keys and no query tokens (and lie past num_seqs), padded columns point at page 0 and are
+    never read."""
+    slots, columns = page_table.shape
+    slots_p, columns_p = bucket_count(slots), bucket_count(columns)
+    if (slots_p, columns_p) != (slots, columns):
+        page_table = torch.nn.functional.pad(
+            page_table, (0, columns_p - columns, 0, slots_p - slots)
+        )
+        kv_lens = torch.nn.functional.pad(kv_lens, (0, slots_p - slots))
+    return kv_lens, page_table, _pad_offsets(cu_q_lens, slots_p + 1)
 
 
 def _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n=None):
@@ -382,9 +542,13 @@ def flash_attn_with_kvcache(
     Not supported (raises): rotary embedding, cache_batch_idx, cache_leftpad, alibi, returning
     the log-sum-exp.
     """
-    for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                      ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                      ("alibi_slopes", alibi_slopes)):
+    for name, val in (
+        ("rotary_cos", rotary_cos),
+        ("rotary_sin", rotary_sin),
+        ("cache_batch_idx", cache_batch_idx),
+        ("cache_leftpad", cache_leftpad),
+        ("alibi_slopes", alibi_slopes),
+    ):
         if val is not None:
             raise ValueError(f"flash_attn_with_kvcache: {name} is not supported by this kernel")
     if return_softmax_lse:
@@ -393,7 +557,9 @@ def flash_attn_with_kvcache(
     _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
     _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}"
+        )
     B, sq, h, d = q.shape
     nb, bs, hkv, dc = k_cache.shape
     if block_table is None:
@@ -414,7 +580,9 @@ def flash_attn_with_kvcache(
     if left >= 0 and not causal:
         raise ValueError("window_size: a left window needs causal=True here")
     if causal and right not in (0, -1):
-        raise ValueError(f"window_size: right={right} with causal=True is not supported (use 0 or -1)")
+        raise ValueError(
+            f"window_size: right={right} with causal=True is not supported (use 0 or -1)"
+        )
     sliding_window = left + 1 if left >= 0 else None
     softcap_ = float(softcap) if softcap and softcap > 0 else None
     _check_options(softmax_scale, sliding_window, softcap_)
@@ -424,15 +592,24 @@ def flash_attn_with_kvcache(
     if k is not None:
         _check_tensor("k", k, 4, _FLOAT_DTYPES)
         if k.shape != v.shape or k.shape[0] != B or tuple(k.shape[2:]) != (hkv, dc):
-            raise ValueError(f"k/v: expected shape [{B}, new tokens, {hkv}, {dc}], got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k/v: expected shape [{B}, new tokens, {hkv}, {dc}], got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
         new = k.shape[1]
     kv_lens = cache_seqlens.to(torch.int64) + new
     cu = torch.arange(B + 1, dtype=torch.int64, device=q.device) * sq
     ns = torch.tensor([B], dtype=torch.int32, device=q.device)
     # Validate against the head-major view (same checks as the native layout).
-    validate_ragged(q.reshape(B * sq, h, d), k_cache.permute(0, 2, 1, 3), kv_lens, block_table,
-                    cu, ns, v_cache=v_cache.permute(0, 2, 1, 3))
+    validate_ragged(
+        q.reshape(B * sq, h, d),
+        k_cache.permute(0, 2, 1, 3),
+        kv_lens,
+        block_table,
+        cu,
+        ns,
+        v_cache=v_cache.permute(0, 2, 1, 3),
+    )
     if new:
         cs = cache_seqlens.to(torch.int64)
         pos = cs[:, None] + torch.arange(new, device=cs.device)[None, :]  # [B, new]
@@ -440,9 +617,24 @@ def flash_attn_with_kvcache(
         row = pos % bs
         k_cache[page.reshape(-1), row.reshape(-1)] = k.reshape(B * new, hkv, dc).to(k_cache.dtype)
         v_cache[page.reshape(-1), row.reshape(-1)] = v.reshape(B * new, hkv, dc).to(v_cache.dtype)
-    return kvcache_op(q, k_cache, v_cache, _i32(kv_lens), _i32(block_table),
-                      None if softmax_scale is None else float(softmax_scale), sliding_window,
-                      softcap_, bool(causal))
+    # Packed queries: the batch and the query length are data (cu_q_lens, num_seqs), the token
+    # count and the table sizes are bucketed.
+    tokens = B * sq
+    kv_lens_p, table_p, cu_p = _pad_tables(_i32(kv_lens), _i32(block_table), _i32(cu))
+    out = kvcache_op(
+        _pad_tokens(q.reshape(tokens, h, d), bucket_tokens(tokens)),
+        k_cache,
+        v_cache,
+        kv_lens_p,
+        table_p,
+        cu_p,
+        ns,
+        None if softmax_scale is None else float(softmax_scale),
+        sliding_window,
+        softcap_,
+        bool(causal),
+    )
+    return out[:tokens].reshape(B, sq, h, d)
 
 
 def flash_attn_varlen_func(
@@ -471,19 +663,25 @@ def flash_attn_varlen_func(
     if dropout_p:
         raise ValueError("flash_attn_varlen_func: dropout_p must be 0 (inference kernel)")
     if alibi_slopes is not None or block_table is not None or return_attn_probs:
-        raise ValueError("flash_attn_varlen_func: alibi_slopes, block_table and "
-                         "return_attn_probs are not supported")
+        raise ValueError(
+            "flash_attn_varlen_func: alibi_slopes, block_table and "
+            "return_attn_probs are not supported"
+        )
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k", k, 3, _FLOAT_DTYPES)
     _check_tensor("v", v, 3, _FLOAT_DTYPES)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, _INT_DTYPES)
     _check_tensor("cu_seqlens_k", cu_seqlens_k, 1, _INT_DTYPES)
     if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k/v: expected equal shapes and q's dtype {q.dtype}, got "
-                         f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+        raise ValueError(
+            f"k/v: expected equal shapes and q's dtype {q.dtype}, got "
+            f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
+        )
     if k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: head_dim must match and "
-                         "query heads must be a multiple of KV heads")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}: head_dim must match and "
+            "query heads must be a multiple of KV heads"
+        )
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k: expected the same number of sequences")
     left, right = (int(x) for x in window_size)
@@ -496,29 +694,181 @@ def flash_attn_varlen_func(
     ck = cu_seqlens_k.detach().to("cpu", torch.int64)
     for name, cu, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_k", ck, k.shape[0])):
         if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
-            raise ValueError(f"{name}: expected 0 = c[0] <= c[1] <= ... <= {total}, got {cu.tolist()}")
+            raise ValueError(
+                f"{name}: expected 0 = c[0] <= c[1] <= ... <= {total}, got {cu.tolist()}"
+            )
     if bool(((cq[1:] - cq[:-1]) > (ck[1:] - ck[:-1])).any()):
-        raise ValueError("a sequence has more query tokens than keys (bottom-right alignment needs "
-                         "q_len <= k_len)")
-    # Shapes are static in the compiled kernel: pad tokens and sequence counts up to powers of two
+        raise ValueError(
+            "a sequence has more query tokens than keys (bottom-right alignment needs "
+            "q_len <= k_len)"
+        )
+    # Shapes are static in the compiled kernel: pad tokens and sequence counts up to their buckets
     # so that the changing batches of continuous batching reuse a few compiled programs. Padded
     # sequences have no tokens; padded query rows come back as zeros and are cut off.
     tq, tk, n = q.shape[0], k.shape[0], cu_seqlens_q.shape[0] - 1
-    tq_pad, tk_pad, n_pad = _bucket(tq, 16), _bucket(tk, 16), _bucket(n, 4)
-    q_p = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, tq_pad - tq))
-    k_p = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, tk_pad - tk))
-    v_p = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, tk_pad - tk))
-    cq_p = torch.nn.functional.pad(_i32(cu_seqlens_q), (0, n_pad - n), value=int(cq[-1]))
-    ck_p = torch.nn.functional.pad(_i32(cu_seqlens_k), (0, n_pad - n), value=int(ck[-1]))
-    out = varlen_op(q_p, k_p, v_p, cq_p, ck_p,
-                    None if softmax_scale is None else float(softmax_scale), sliding_window,
-                    softcap_, bool(causal), VARLEN_PAGE_SIZE)
+    tq_pad, tk_pad, n_pad = bucket_tokens(tq), bucket_tokens(tk), bucket_count(n)
+    q_p, k_p, v_p = _pad_tokens(q, tq_pad), _pad_tokens(k, tk_pad), _pad_tokens(v, tk_pad)
+    cq_p = _pad_offsets(_i32(cu_seqlens_q), n_pad + 1)
+    ck_p = _pad_offsets(_i32(cu_seqlens_k), n_pad + 1)
+    out = varlen_op(
+        q_p,
+        k_p,
+        v_p,
+        cq_p,
+        ck_p,
+        None if softmax_scale is None else float(softmax_scale),
+        sliding_window,
+        softcap_,
+        bool(causal),
+        VARLEN_PAGE_SIZE,
+    )
     return out[:tq]
 
 
-def _bucket(x: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, x - 1).bit_length())
+def warmup(
+    kv_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    max_tokens: int,
+    max_seqs: int,
+    pages_per_seq: int,
+    v_cache: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> int:
+    """Compile, before serving, every kernel `ragged_paged_attention` can need on this cache for
+    batches of up to `max_tokens` query tokens in up to `max_seqs` sequences with page tables of
+    `pages_per_seq` columns: one call per (token bucket, sequence-slot bucket) pair. The cache is
+    only read (one live sequence of one token, no new_kv). Returns the number of calls made."""
+    from .shape_buckets import count_buckets, token_buckets
+
+    head_dim = kv_cache.shape[-1]
+    device = kv_cache.device
+    calls = 0
+    for tokens in token_buckets(max_tokens):
+        for slots in count_buckets(max_seqs):
+            q = torch.zeros(tokens, num_heads, head_dim, dtype=kv_cache.dtype, device=device)
+            kv_lens = torch.zeros(slots, dtype=torch.int32, device=device)
+            kv_lens[0] = 1
+            page_table = torch.zeros(slots, pages_per_seq, dtype=torch.int32, device=device)
+            cu = torch.ones(slots + 1, dtype=torch.int32, device=device)
+            cu[0] = 0
+            ragged_paged_attention(
+                q,
+                kv_cache,
+                kv_lens,
+                page_table,
+                cu,
+                1,
+                v_cache=v_cache,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                causal=causal,
+            )
+            calls += 1
+    return calls
 
 
-__all__ = ["ragged_paged_attention", "flash_attn_with_kvcache", "flash_attn_varlen_func",
-           "validate_ragged", "rpa_op", "varlen_op", "kvcache_op"]
+def warmup_kvcache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    max_batch: int,
+    max_blocks: int,
+    query_len: int = 1,
+    softmax_scale: float | None = None,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    causal: bool = True,
+) -> int:
+    """Compile, before serving, every kernel `flash_attn_with_kvcache` can need on these caches
+    for batches of 1..`max_batch` sequences of `query_len` new query tokens each, with block
+    tables of `max_blocks` columns (decode: query_len=1). Returns the number of calls made."""
+    from .shape_buckets import bucket_count, bucket_tokens
+
+    head_dim = k_cache.shape[-1]
+    device = k_cache.device
+    seen, calls = set(), 0
+    for batch in range(1, max_batch + 1):
+        key = (bucket_tokens(batch * query_len), bucket_count(batch))
+        if key in seen:
+            continue
+        seen.add(key)
+        q = torch.zeros(batch, query_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+        table = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
+        seqlens = torch.full((batch,), query_len, dtype=torch.int32, device=device)
+        flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=seqlens,
+            block_table=table,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+        )
+        calls += 1
+    return calls
+
+
+def warmup_varlen(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_query_tokens: int,
+    max_key_tokens: int,
+    max_seqs: int,
+    softmax_scale: float | None = None,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    causal: bool = True,
+    device="cpu",
+) -> int:
+    """Compile, before serving, every kernel `flash_attn_varlen_func` (the path of Transformers'
+    `generate_batch`) can need: one call per (query token bucket, key token bucket >= it,
+    sequence bucket) triple up to the given maxima. Returns the number of calls made."""
+    from .shape_buckets import count_buckets, token_buckets
+
+    calls = 0
+    for tq in token_buckets(max_query_tokens):
+        for tk in token_buckets(max(max_key_tokens, tq), tq):
+            for seqs in count_buckets(max_seqs):
+                q = torch.zeros(tq, num_heads, head_dim, dtype=dtype, device=device)
+                k = torch.zeros(tk, num_kv_heads, head_dim, dtype=dtype, device=device)
+                cu_q = torch.full((seqs + 1,), tq, dtype=torch.int32, device=device)
+                cu_k = torch.full((seqs + 1,), tk, dtype=torch.int32, device=device)
+                cu_q[0] = cu_k[0] = 0
+                flash_attn_varlen_func(
+                    q,
+                    k,
+                    torch.zeros_like(k),
+                    cu_q,
+                    cu_k,
+                    softmax_scale=softmax_scale,
+                    causal=causal,
+                    window_size=window_size,
+                    softcap=softcap,
+                )
+                calls += 1
+    return calls
+
+
+__all__ = [
+    "ragged_paged_attention",
+    "flash_attn_with_kvcache",
+    "flash_attn_varlen_func",
+    "validate_ragged",
+    "rpa_op",
+    "varlen_op",
+    "kvcache_op",
+    "warmup",
+    "warmup_kvcache",
+    "warmup_varlen",
+]

@@ -31,8 +31,9 @@ def gather_kv(kv_pages, page_table_row, kv_len, v_pages=None):
     return tokens(kv_pages), tokens(v_pages)
 
 
-def attention_ref(q, k, v, *, sm_scale, kv_offset, sliding_window=None, soft_cap=None,
-                  causal=True, sinks=None):
+def attention_ref(
+    q, k, v, *, sm_scale, kv_offset, sliding_window=None, soft_cap=None, causal=True, sinks=None
+):
     """q [Lq, Hq, D], k/v [Lk, Hkv, D]; query j sits at key position kv_offset + j. sinks [Hq]:
     one extra logit per query head in every softmax denominator (no value)."""
     q, k, v = _f32(q), _f32(k), _f32(v)
@@ -64,14 +65,26 @@ def attention_ref(q, k, v, *, sm_scale, kv_offset, sliding_window=None, soft_cap
     return o.astype(np.float32)
 
 
-def ragged_paged_attention_ref(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
-                               v_pages=None, sm_scale=None, sliding_window=None, soft_cap=None,
-                               causal=True, sinks=None):
+def ragged_paged_attention_ref(
+    q,
+    kv_pages,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    v_pages=None,
+    sm_scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    causal=True,
+    sinks=None,
+):
     """Dense f32 reference of kernel.ragged_paged_attention (same arguments); rows of tokens of no
     live sequence are zero."""
     q = _f32(q)
     T, hq, d = q.shape
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
     kv_lens = np.asarray(kv_lens)
     cu = np.asarray(cu_q_lens)
     pt = np.asarray(page_table)
@@ -83,9 +96,17 @@ def ragged_paged_attention_ref(q, kv_pages, kv_lens, page_table, cu_q_lens, num_
             continue
         kl = int(kv_lens[s])
         k, v = gather_kv(kv_pages, pt[s], kl, v_pages)
-        out[a:b] = attention_ref(q[a:b], k, v, sm_scale=sm_scale, kv_offset=kl - (b - a),
-                                 sliding_window=sliding_window, soft_cap=soft_cap, causal=causal,
-                                 sinks=sinks)
+        out[a:b] = attention_ref(
+            q[a:b],
+            k,
+            v,
+            sm_scale=sm_scale,
+            kv_offset=kl - (b - a),
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            causal=causal,
+            sinks=sinks,
+        )
     return out
 
 
@@ -104,15 +125,22 @@ def write_kv_ref(kv_pages, new_kv, kv_lens, page_table, cu_q_lens, num_seqs):
     return out
 
 
-
-
-def paged_attention_token_major_ref(q, k_cache, v_cache, kv_lens, page_table, cu_q_lens, num_seqs,
-                                    **kwargs):
+def paged_attention_token_major_ref(
+    q, k_cache, v_cache, kv_lens, page_table, cu_q_lens, num_seqs, **kwargs
+):
     """Dense f32 reference of kernel.paged_attention_token_major (no cache write): caches
     [num_blocks, block_size, Hkv, D]."""
     to_head_major = lambda c: np.asarray(c, np.float32).transpose(0, 2, 1, 3)  # noqa: E731
-    return ragged_paged_attention_ref(q, to_head_major(k_cache), kv_lens, page_table, cu_q_lens,
-                                      num_seqs, v_pages=to_head_major(v_cache), **kwargs)
+    return ragged_paged_attention_ref(
+        q,
+        to_head_major(k_cache),
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        v_pages=to_head_major(v_cache),
+        **kwargs,
+    )
 
 
 def dequantize_token_major(cache, token_scale=None, head_scale=None):
@@ -141,5 +169,12 @@ def write_kv_token_major_ref(cache, new, kv_lens, page_table, cu_q_lens, num_seq
     return out
 
 
-__all__ = ["ragged_paged_attention_ref", "attention_ref", "gather_kv", "write_kv_ref",
-           "paged_attention_token_major_ref", "write_kv_token_major_ref", "dequantize_token_major"]
+__all__ = [
+    "ragged_paged_attention_ref",
+    "attention_ref",
+    "gather_kv",
+    "write_kv_ref",
+    "paged_attention_token_major_ref",
+    "write_kv_token_major_ref",
+    "dequantize_token_major",
+]

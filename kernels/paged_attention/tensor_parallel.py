@@ -12,7 +12,8 @@ the output stays head-sharded for a row-parallel o_proj.
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from . import kernel as _kernel
 
@@ -26,12 +27,25 @@ def _check(mesh, axis, hq, hkv):
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"heads: {hq} query heads are not a multiple of the {hkv} KV heads")
     if hkv % tp:
-        raise ValueError(f"mesh axis {axis!r} of size {tp} does not divide the {hkv} KV heads "
-                         f"(a GQA group of {hq // hkv} query heads must stay on one device)")
+        raise ValueError(
+            f"mesh axis {axis!r} of size {tp} does not divide the {hkv} KV heads "
+            f"(a GQA group of {hq // hkv} query heads must stay on one device)"
+        )
 
 
-def tensor_parallel_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
-                                    mesh: Mesh, axis: str = "tp", v_pages=None, **kwargs):
+def tensor_parallel_paged_attention(
+    q,
+    kv_pages,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    mesh: Mesh,
+    axis: str = "tp",
+    v_pages=None,
+    **kwargs,
+):
     """`kernel.ragged_paged_attention` (q [T, Hq, D], kv_pages [P, 2*Hkv, page, D], or k pages
     [P, Hkv, page, D] with `v_pages`) with heads split over `axis`; returns [T, Hq, D] split along
     heads. `kwargs` (sm_scale, sliding_window, soft_cap, causal, config, generation, interpret)
@@ -46,17 +60,37 @@ def tensor_parallel_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens,
         specs.append(heads)
 
     def body(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *v):
-        return _kernel.ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens,
-                                              num_seqs, v_pages=v[0] if v else None, **kwargs)
+        return _kernel.ragged_paged_attention(
+            q,
+            kv_pages,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            v_pages=v[0] if v else None,
+            **kwargs,
+        )
 
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
-                         check_vma=False)(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(
+        *args
+    )
 
 
-def tensor_parallel_paged_attention_token_major(q, k_cache, v_cache, kv_lens, page_table,
-                                                cu_q_lens, num_seqs, *, mesh: Mesh,
-                                                axis: str = "tp", new_k=None, new_v=None,
-                                                **kwargs):
+def tensor_parallel_paged_attention_token_major(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    mesh: Mesh,
+    axis: str = "tp",
+    new_k=None,
+    new_v=None,
+    **kwargs,
+):
     """`kernel.paged_attention_token_major` (caches [blocks, block_size, Hkv, D]) with heads split
     over `axis`. With new_k / new_v [T, Hkv, D] each device writes its heads' K/V into its cache
     shard and returns (out, k_cache, v_cache), caches split along heads; otherwise out."""
@@ -73,10 +107,20 @@ def tensor_parallel_paged_attention_token_major(q, k_cache, v_cache, kv_lens, pa
 
     def body(q, k_cache, v_cache, kv_lens, page_table, cu_q_lens, num_seqs, *new):
         nk, nv = new if new else (None, None)
-        return _kernel.paged_attention_token_major(q, k_cache, v_cache, kv_lens, page_table,
-                                                   cu_q_lens, num_seqs, new_k=nk, new_v=nv,
-                                                   **kwargs)
+        return _kernel.paged_attention_token_major(
+            q,
+            k_cache,
+            v_cache,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            new_k=nk,
+            new_v=nv,
+            **kwargs,
+        )
 
     out_specs = (heads, cache, cache) if writes else heads
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,
-                         check_vma=False)(*args)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs, check_vma=False
+    )(*args)

@@ -17,8 +17,8 @@ is at most PAGE_TABLE_SMEM_BYTES, otherwise streamed (left in HBM, each work ite
 a two-row SMEM buffer two items ahead). A batch whose work list still exceeds the SMEM budget is
 rejected with a ValueError.
 
-`work_list_numpy` is the host-side twin of `kernel.build_work_list` (same items, same order), used
-by `estimate_cost` to give the exact bytes the kernel's DMAs and BlockSpec copies move.
+`estimate_cost` replays the kernel's own work list (schedule.build_work_list, run on the host with
+numpy) to give the exact bytes the kernel's DMAs and BlockSpec copies move.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import math
 
 import numpy as np
 
+from . import tpu_generations as _generations
+from .schedule import LAYOUT, host_work_list, max_items_bound
 from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
 
 MiB = 1 << 20
@@ -95,8 +97,9 @@ def partial_page_chunks(page_size: int, dtype, tile: int | None = None) -> list[
     return sizes[::-1]
 
 
-def page_copy_plan(kv_len: int, first_page: int, npages: int, page_size: int, dtype,
-                   tile: int | None = None):
+def page_copy_plan(
+    kv_len: int, first_page: int, npages: int, page_size: int, dtype, tile: int | None = None
+):
     """(number of DMAs, tokens copied) for one item's pages, exactly as kernel.fetch issues them."""
     tile = tile or row_tile(dtype)
     chunks = partial_page_chunks(page_size, dtype, tile=tile)
@@ -115,9 +118,19 @@ def narrow_rows(group: int, rows: int) -> int:
     return min(rows, _round_up(max(group, NARROW_ROWS), NARROW_ROWS))
 
 
-def vmem_need_bytes(*, block_q: int, pages_per_block: int, page_size: int, num_kv_heads: int,
-                    group: int, head_dim: int, q_dtype, kv_dtype, token_scales: bool = False,
-                    sinks: bool = False) -> int:
+def vmem_need_bytes(
+    *,
+    block_q: int,
+    pages_per_block: int,
+    page_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    q_dtype,
+    kv_dtype,
+    token_scales: bool = False,
+    sinks: bool = False,
+) -> int:
     rows = block_q * group
     kv_tokens = pages_per_block * page_size
     kv_slots = 2 * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
@@ -130,21 +143,38 @@ def vmem_need_bytes(*, block_q: int, pages_per_block: int, page_size: int, num_k
     return kv_slots + q_out + acc + stats + temps + scales + sink_rows
 
 
-def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  page_size: int, pages_per_seq: int, q_dtype, kv_dtype,
-                  generation: str | TpuGeneration | None = None,
-                  config: PagedAttentionConfig | None = None) -> PagedAttentionConfig:
+def choose_config(
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    q_dtype,
+    kv_dtype,
+    generation: str | TpuGeneration | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> PagedAttentionConfig:
     """Fill the `None` fields of `config` for this generation from the VMEM budget model."""
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
     config = config or PagedAttentionConfig()
     group = num_q_heads // num_kv_heads
     align = row_align(group)
     if config.block_q is not None and (config.block_q * group) % 8:
-        raise ValueError(f"config.block_q={config.block_q}: block_q * (q heads per KV head = "
-                         f"{group}) must be a multiple of 8")
+        raise ValueError(
+            f"config.block_q={config.block_q}: block_q * (q heads per KV head = "
+            f"{group}) must be a multiple of 8"
+        )
     budget = vmem_budget_bytes(gen)
-    kw = dict(page_size=page_size, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-              q_dtype=q_dtype, kv_dtype=kv_dtype)
+    kw = dict(
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+    )
     max_tokens = _round_up(max(num_tokens, 1), align)
 
     def q_block(r):
@@ -160,17 +190,59 @@ def choose_config(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_
     prefs = [(r, t) for t in (1024, 512) for r in (1024, 512)]
     prefs += [(r, t) for t in (1024, 512, 256, 128) for r in (256, 128)]
     prefs += [(16 * group, t) for t in (128, 64, 32, 16)]
-    candidates = [(config.block_q if config.block_q is not None else q_block(r),
-                   config.pages_per_block if config.pages_per_block is not None else kv_block(t))
-                  for r, t in prefs]
-    choice = next((c for c in candidates
-                   if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget),
-                  candidates[-1])  # nothing fits: the smallest tiles (overrides taken as given)
+    candidates = [
+        (
+            config.block_q if config.block_q is not None else q_block(r),
+            config.pages_per_block if config.pages_per_block is not None else kv_block(t),
+        )
+        for r, t in prefs
+    ]
+    choice = next(
+        (
+            c
+            for c in candidates
+            if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget
+        ),
+        candidates[-1],
+    )  # nothing fits: the smallest tiles (overrides taken as given)
     block_q, ppb = choice
     ppb = max(1, min(ppb, pages_per_seq))
-    return PagedAttentionConfig(block_q=block_q, pages_per_block=ppb, max_items=config.max_items,
-                                vmem_limit_bytes=config.vmem_limit_bytes,
-                                stream_page_table=config.stream_page_table)
+    return PagedAttentionConfig(
+        block_q=block_q,
+        pages_per_block=ppb,
+        max_items=config.max_items,
+        vmem_limit_bytes=config.vmem_limit_bytes,
+        stream_page_table=config.stream_page_table,
+    )
+
+
+def choose_tiles(
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    q_dtype,
+    kv_dtype,
+    generation: str | TpuGeneration | None = None,
+    override: PagedAttentionConfig | None = None,
+) -> PagedAttentionConfig:
+    """The collection's tile contract (tpu_generations.py, "Tile policy"): `choose_config` with
+    the override under the shared name."""
+    return choose_config(
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        generation=generation,
+        config=override,
+    )
 
 
 def streams_page_table(num_seqs: int, pages_per_seq: int, config: PagedAttentionConfig) -> bool:
@@ -183,69 +255,41 @@ def smem_bytes(num_seqs: int, pages_per_seq: int, max_items: int, stream: bool) 
     """SMEM the kernel uses: kv_lens, cu_q_lens, the work list and its length, and the page table
     (whole, or two rows when streamed)."""
     table = 2 * pages_per_seq if stream else num_seqs * pages_per_seq
-    return 4 * (num_seqs + num_seqs + 1 + 4 * max_items + 1 + table)
+    return 4 * (num_seqs + num_seqs + 1 + 1 + table) + LAYOUT.nbytes(max_items)
 
 
 def vmem_budget_bytes(gen: TpuGeneration) -> int:
-    """VMEM the default tiles may use: 3/4 of max(the default scoped limit, 3/8 of physical VMEM)
-    (36 MiB on v5e/v6e, 24 MiB on TPU7x). The kernel asks Mosaic for vmem_limit_bytes(need)
-    explicitly, so v5e's 16 MiB default does not bind."""
-    return max(gen.scoped_vmem_default_bytes, gen.vmem_bytes * 3 // 8) * 3 // 4
+    """VMEM the default tiles may use: this family's share in tpu_generations.vmem_budget_bytes,
+    3/4 of max(the default scoped limit, 3/8 of physical VMEM) (36 MiB on v5e/v6e, 24 MiB on
+    TPU7x). The kernel asks Mosaic for vmem_limit_bytes(need) explicitly, so v5e's 16 MiB default
+    does not bind."""
+    return _generations.vmem_budget_bytes(gen, "paged_attention")
 
 
-def max_items_bound(*, num_q_blocks: int, max_num_seqs: int, pages_per_seq: int,
-                    pages_per_block: int, block_q: int | None = None, page_size: int | None = None,
-                    sliding_window: int | None = None) -> int:
-    """A static bound on the work list: at most num_q_blocks + max_num_seqs - 1 (q block, sequence)
-    pairs (consecutive sequences share at most one block; an empty q block gets one empty item),
-    each needing at most ceil(pages_per_seq / pages_per_block) KV blocks, or with a sliding window
-    w at most ceil((ceil((w + block_q - 1) / page_size) + 1) / pages_per_block): the keys a block
-    of block_q consecutive queries can see span w + block_q - 1 positions."""
-    per_pair = max(1, -(-pages_per_seq // pages_per_block))
-    if sliding_window is not None and block_q is not None and page_size is not None:
-        pages = -(-(sliding_window + block_q - 1) // page_size) + 1
-        per_pair = min(per_pair, max(1, -(-pages // pages_per_block)))
-    return (num_q_blocks + max(max_num_seqs, 1) - 1) * per_pair
-
-
-def work_list_numpy(q_lens, kv_lens, *, block_q: int, num_q_blocks: int, page_size: int,
-                    pages_per_block: int, sliding_window: int | None, causal: bool):
-    """Host twin of kernel.build_work_list: list of (q_block, seq, first_page, num_pages), with
-    seq == -1 / num_pages == 0 for a q block that holds no sequence's token."""
-    q_lens = np.asarray(q_lens, np.int64)
-    kv_lens = np.asarray(kv_lens, np.int64)
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    items = []
-    for b in range(num_q_blocks):
-        lo_tok, hi_tok = b * block_q, (b + 1) * block_q
-        row = []
-        for s in range(len(q_lens)):
-            t0, t1 = max(cu[s], lo_tok), min(cu[s + 1], hi_tok)
-            if t0 >= t1:
-                continue
-            first_pos = kv_lens[s] - q_lens[s] + (t0 - cu[s])
-            last_pos = kv_lens[s] - q_lens[s] + (t1 - 1 - cu[s])
-            if causal:
-                k_lo = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
-                k_hi = last_pos
-            else:
-                k_lo, k_hi = 0, kv_lens[s] - 1
-            p_lo, p_hi = k_lo // page_size, k_hi // page_size
-            npages = p_hi - p_lo + 1
-            for k in range(-(-npages // pages_per_block)):
-                start = p_lo + k * pages_per_block
-                row.append((b, s, int(start), int(min(pages_per_block, p_hi + 1 - start))))
-        items.extend(row or [(b, -1, 0, 0)])
-    return items
-
-
-def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            page_size: int, pages_per_seq: int, max_num_seqs: int | None = None,
-            num_tokens: int | None = None, q_dtype="bfloat16", kv_dtype="bfloat16",
-            sliding_window: int | None = None, causal: bool = True, separate_kv: bool = False,
-            token_major: bool = False, write_new_kv: bool = False, token_scales: bool = False,
-            sinks: bool = False, head_scales: bool = False, generation: str | None = None,
-            config: PagedAttentionConfig | None = None) -> dict:
+def traffic(
+    *,
+    q_lens,
+    kv_lens,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    max_num_seqs: int | None = None,
+    num_tokens: int | None = None,
+    q_dtype="bfloat16",
+    kv_dtype="bfloat16",
+    sliding_window: int | None = None,
+    causal: bool = True,
+    separate_kv: bool = False,
+    token_major: bool = False,
+    write_new_kv: bool = False,
+    token_scales: bool = False,
+    sinks: bool = False,
+    head_scales: bool = False,
+    generation: str | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> dict:
     """Everything one call of `kernel.ragged_paged_attention` moves and computes, itemised.
 
     Arguments describe the batch as the kernel sees it: the live sequences' q_lens / kv_lens,
@@ -273,24 +317,46 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     max_num_seqs = max_num_seqs or num_seqs
     num_tokens = num_tokens or sum(q_lens)
     group = num_q_heads // num_kv_heads
-    cfg = choose_config(num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq,
-                        q_dtype=q_dtype, kv_dtype=kv_dtype, generation=gen, config=config)
+    cfg = choose_config(
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        generation=gen,
+        config=config,
+    )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _round_up(max(num_tokens, 1), bq)
     nqb = t_pad // bq
     rows = bq * group
     nr = narrow_rows(group, rows)
-    items = work_list_numpy(q_lens, kv_lens, block_q=bq, num_q_blocks=nqb, page_size=page_size,
-                            pages_per_block=ppb, sliding_window=sliding_window, causal=causal)
+    items = host_work_list(
+        q_lens,
+        kv_lens,
+        block_q=bq,
+        num_q_blocks=nqb,
+        page_size=page_size,
+        pages_per_block=ppb,
+        sliding_window=sliding_window,
+        causal=causal,
+    )
     max_items = cfg.max_items or max_items_bound(
-        num_q_blocks=nqb, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
-        pages_per_block=ppb, block_q=bq, page_size=page_size,
-        sliding_window=sliding_window if causal else None)
+        num_q_blocks=nqb,
+        max_num_seqs=max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=ppb,
+        block_q=bq,
+        page_size=page_size,
+        sliding_window=sliding_window if causal else None,
+    )
     kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     mxu = 0
-    for (b, s, start, npages) in items:
+    for b, s, _start, npages in items:
         if npages == 0:
             continue
         r_lo = (max(cu[s], b * bq) - b * bq) * group
@@ -303,7 +369,7 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     scale_dma_bytes = scale_dmas * num_kv_heads * page_size * 4
     tile = copy_tile(kv_dtype, num_kv_heads, token_major)
     dmas, kv_rows = 0, 0
-    for (_, s, start, npages) in items:
+    for _, s, start, npages in items:
         if npages:
             n, r = page_copy_plan(kv_lens[s], start, npages, page_size, kv_dtype, tile=tile)
             dmas += n
@@ -312,8 +378,13 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
     qo_block = num_kv_heads * rows * head_dim * q_size
     stream = streams_page_table(max_num_seqs, pages_per_seq, cfg)
     # Scalar-prefetched tables (a streamed page table is not prefetched: a 1-entry placeholder).
-    prefetch_bytes = 4 * (max_num_seqs + (max_num_seqs + 1) + 4 * max_items + 1
-                          + (1 if stream else max_num_seqs * pages_per_seq))
+    prefetch_bytes = 4 * (
+        max_num_seqs
+        + (max_num_seqs + 1)
+        + 4 * max_items
+        + 1
+        + (1 if stream else max_num_seqs * pages_per_seq)
+    )
     pt_dmas = len(items) if stream else 0  # one row per work item, empty items included
 
     useful = 0
@@ -333,34 +404,69 @@ def traffic(*, q_lens, kv_lens, num_q_heads: int, num_kv_heads: int, head_dim: i
         else:
             min_kv_tokens += kl
             useful += 4 * num_q_heads * head_dim * kl * ql
-    min_bytes = (min_kv_tokens * 2 * num_kv_heads * head_dim * kv_size
-                 + 2 * sum(q_lens) * num_q_heads * head_dim * q_size
-                 + 4 * sum(-(-k // page_size) for k in kv_lens))
+    min_bytes = (
+        min_kv_tokens * 2 * num_kv_heads * head_dim * kv_size
+        + 2 * sum(q_lens) * num_q_heads * head_dim * q_size
+        + 4 * sum(-(-k // page_size) for k in kv_lens)
+    )
     if token_scales:
         min_bytes += min_kv_tokens * 2 * num_kv_heads * 4
     new_tokens = sum(q_lens) if write_new_kv else 0
     write_dmas = 2 * new_tokens
     write_bytes = 2 * 2 * new_tokens * num_kv_heads * head_dim * kv_size
     min_bytes += write_bytes
-    vmem = vmem_need_bytes(block_q=bq, pages_per_block=ppb, page_size=page_size,
-                           num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                           q_dtype=q_dtype, kv_dtype=kv_dtype, token_scales=token_scales,
-                           sinks=sinks)
-    return dict(config=cfg, items=items, max_items=max_items,
-                kv_dmas=dmas * (2 if separate_kv else 1), kv_dma_bytes=kv_rows * row_bytes,
-                qo_block_bytes=2 * nqb * qo_block, smem_bytes=prefetch_bytes,
-                stream_page_table=stream, pt_dmas=pt_dmas, pt_dma_bytes=pt_dmas * 4 * pages_per_seq,
-                mxu_flops=mxu, write_dmas=write_dmas, write_bytes=write_bytes,
-                write_slot_bytes=4 * num_tokens if write_new_kv else 0,
-                scale_dmas=scale_dmas, scale_dma_bytes=scale_dma_bytes,
-                sink_bytes=num_kv_heads * rows * 4 if sinks else 0,
-                head_scale_bytes=2 * num_kv_heads * 4 if head_scales else 0,
-                useful_flops=useful, min_hbm_bytes=min_bytes, vmem_bytes=vmem)
+    vmem = vmem_need_bytes(
+        block_q=bq,
+        pages_per_block=ppb,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        token_scales=token_scales,
+        sinks=sinks,
+    )
+    return dict(
+        config=cfg,
+        items=items,
+        max_items=max_items,
+        kv_dmas=dmas * (2 if separate_kv else 1),
+        kv_dma_bytes=kv_rows * row_bytes,
+        qo_block_bytes=2 * nqb * qo_block,
+        smem_bytes=prefetch_bytes,
+        stream_page_table=stream,
+        pt_dmas=pt_dmas,
+        pt_dma_bytes=pt_dmas * 4 * pages_per_seq,
+        mxu_flops=mxu,
+        write_dmas=write_dmas,
+        write_bytes=write_bytes,
+        write_slot_bytes=4 * num_tokens if write_new_kv else 0,
+        scale_dmas=scale_dmas,
+        scale_dma_bytes=scale_dma_bytes,
+        sink_bytes=num_kv_heads * rows * 4 if sinks else 0,
+        head_scale_bytes=2 * num_kv_heads * 4 if head_scales else 0,
+        useful_flops=useful,
+        min_hbm_bytes=min_bytes,
+        vmem_bytes=vmem,
+    )
 
 
-def static_cost(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                page_size: int, num_seqs: int, pages_per_seq: int, num_pages: int, q_dtype,
-                kv_dtype, config: PagedAttentionConfig, sliding_window: int | None = None) -> dict:
+def static_cost(
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    num_seqs: int,
+    pages_per_seq: int,
+    num_pages: int,
+    q_dtype,
+    kv_dtype,
+    config: PagedAttentionConfig,
+    sliding_window: int | None = None,
+) -> dict:
     """pl.CostEstimate fields for one kernel call from static shapes only (the lengths are traced
     values): every token of every page a sequence can address, at most the cache, read once
     (with a sliding window at most w + block_q - 1 keys per q block and sequence); q read and o
@@ -374,12 +480,21 @@ def static_cost(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_di
     kv_bytes = kv_tokens * 2 * num_kv_heads * head_dim * kv_size
     qo_bytes = 2 * num_tokens * num_q_heads * head_dim * q_size
     scores = num_tokens * num_q_heads * min(keys_per_seq, kv_tokens)
-    return dict(flops=int(4 * scores * head_dim), transcendentals=int(scores),
-                bytes_accessed=int(kv_bytes + qo_bytes + 4 * num_seqs * pages_per_seq))
+    return dict(
+        flops=int(4 * scores * head_dim),
+        transcendentals=int(scores),
+        bytes_accessed=int(kv_bytes + qo_bytes + 4 * num_seqs * pages_per_seq),
+    )
 
 
-def estimate_cost(**kwargs) -> KernelCost:
-    """Closed-form cost of one kernel call (arguments: see `traffic`).
+def estimate_cost(
+    *,
+    tiles: PagedAttentionConfig | None = None,
+    generation: str | TpuGeneration | None = None,
+    **kwargs,
+) -> KernelCost:
+    """Closed-form cost of one kernel call (arguments: see `traffic`; `tiles`, the contract's name
+    in tpu_generations.py "Tile policy", is traffic's `config`).
 
     hbm_bytes = KV page DMAs (every page a work item lists, once per item, all KV heads; a
     sequence's partly filled last page only up to its valid rows rounded up to the copy tile;
@@ -390,18 +505,50 @@ def estimate_cost(**kwargs) -> KernelCost:
     static work-list length (steps past the real list only test a condition). mxu_flops counts
     the rows and columns issued (narrow decode path or the whole q block, times every page slot of
     the KV buffer)."""
-    t = traffic(**kwargs)
-    return KernelCost(useful_flops=int(t["useful_flops"]), mxu_flops=int(t["mxu_flops"]),
-                      hbm_bytes=int(t["kv_dma_bytes"] + t["qo_block_bytes"] + t["smem_bytes"]
-                                    + t["pt_dma_bytes"] + t["write_bytes"]
-                                    + t["write_slot_bytes"] + t["scale_dma_bytes"]
-                                    + t["sink_bytes"] + t["head_scale_bytes"]),
-                      min_hbm_bytes=int(t["min_hbm_bytes"]), grid_steps=int(t["max_items"]),
-                      vmem_bytes=int(t["vmem_bytes"]))
+    if tiles is not None:
+        if kwargs.get("config") is not None:
+            raise ValueError("estimate_cost: give tiles or config, not both")
+        kwargs["config"] = tiles
+    t = traffic(generation=generation, **kwargs)
+    return KernelCost(
+        useful_flops=int(t["useful_flops"]),
+        mxu_flops=int(t["mxu_flops"]),
+        hbm_bytes=int(
+            t["kv_dma_bytes"]
+            + t["qo_block_bytes"]
+            + t["smem_bytes"]
+            + t["pt_dma_bytes"]
+            + t["write_bytes"]
+            + t["write_slot_bytes"]
+            + t["scale_dma_bytes"]
+            + t["sink_bytes"]
+            + t["head_scale_bytes"]
+        ),
+        min_hbm_bytes=int(t["min_hbm_bytes"]),
+        grid_steps=int(t["max_items"]),
+        vmem_bytes=int(t["vmem_bytes"]),
+    )
 
 
-__all__ = ["PagedAttentionConfig", "choose_config", "estimate_cost", "max_items_bound",
-           "work_list_numpy", "traffic", "vmem_need_bytes", "vmem_budget_bytes", "narrow_rows", "row_align", "row_tile", "partial_page_chunks", "page_copy_plan",
-           "copy_tile", "static_cost",
-           "GENERATIONS", "SMEM_BUDGET_BYTES", "PAGE_TABLE_SMEM_BYTES",
-           "streams_page_table", "smem_bytes"]
+__all__ = [
+    "PagedAttentionConfig",
+    "choose_config",
+    "choose_tiles",
+    "estimate_cost",
+    "max_items_bound",
+    "traffic",
+    "vmem_need_bytes",
+    "vmem_budget_bytes",
+    "narrow_rows",
+    "row_align",
+    "row_tile",
+    "partial_page_chunks",
+    "page_copy_plan",
+    "copy_tile",
+    "static_cost",
+    "GENERATIONS",
+    "SMEM_BUDGET_BYTES",
+    "PAGE_TABLE_SMEM_BYTES",
+    "streams_page_table",
+    "smem_bytes",
+]

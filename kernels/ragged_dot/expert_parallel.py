@@ -42,12 +42,19 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from . import kernel as _kernel
 
-__all__ = ["moe_layer", "moe_reference", "expert_parallel_moe", "route_top_k", "COLLECTIVES",
-           "default_collectives"]
+__all__ = [
+    "moe_layer",
+    "moe_reference",
+    "expert_parallel_moe",
+    "route_top_k",
+    "COLLECTIVES",
+    "default_collectives",
+]
 
 COLLECTIVES = ("ragged_all_to_all", "all_to_all", "all_gather")
 
@@ -79,14 +86,26 @@ def _rows_in_groups(group_sizes, m):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _experts(rows, w_gate_up, w_down, group_sizes, activation, interpret, generation):
-    h = _kernel.gmm_gated(rows, w_gate_up, group_sizes, activation=activation,
-                          interpret=interpret, generation=generation)
+    h = _kernel.gmm_gated(
+        rows,
+        w_gate_up,
+        group_sizes,
+        activation=activation,
+        interpret=interpret,
+        generation=generation,
+    )
     return _kernel.gmm(h, w_down, group_sizes, interpret=interpret, generation=generation)
 
 
 def _experts_fwd(rows, w_gate_up, w_down, group_sizes, activation, interpret, generation):
-    h = _kernel.gmm_gated(rows, w_gate_up, group_sizes, activation=activation,
-                          interpret=interpret, generation=generation)
+    h = _kernel.gmm_gated(
+        rows,
+        w_gate_up,
+        group_sizes,
+        activation=activation,
+        interpret=interpret,
+        generation=generation,
+    )
     y = _kernel.gmm(h, w_down, group_sizes, interpret=interpret, generation=generation)
     return y, (rows, w_gate_up, w_down, group_sizes, h)
 
@@ -101,8 +120,9 @@ def _experts_bwd(activation, interpret, generation, res, dy):
     # The forward never wrote the pre-activation: recompute it in f32 and take act's vjp there.
     pre = _kernel.gmm(rows, w_gate_up, group_sizes, out_dtype=jnp.float32, **kw)
     half = pre.shape[1] // 2
-    _, act_vjp = jax.vjp(lambda g, u: _kernel.gated_activation(g, u, activation),
-                         pre[:, :half], pre[:, half:])
+    _, act_vjp = jax.vjp(
+        lambda g, u: _kernel.gated_activation(g, u, activation), pre[:, :half], pre[:, half:]
+    )
     d_gate, d_up = act_vjp(dh)
     d_pre = jnp.concatenate([d_gate, d_up], axis=1)
     # Rows outside every group had no pre-activation: nothing flows back from them.
@@ -128,13 +148,23 @@ def _exclusive_cumsum(a, axis=-1):
 # -------------------------------------------------------------------------------------------------
 
 
-def moe_layer(x, top_k_ids, top_k_weights, w_gate_up, w_down, *, activation: str = "silu",
-              interpret=False, generation: Optional[str] = None):
+def moe_layer(
+    x,
+    top_k_ids,
+    top_k_weights,
+    w_gate_up,
+    w_down,
+    *,
+    activation: str = "silu",
+    interpret=False,
+    generation: Optional[str] = None,
+):
     """The MoE experts block on one device: x [T, H], top_k_ids [T, k] (ids in [0, E)),
     top_k_weights [T, k], w_gate_up [E, H, 2I], w_down [E, I, H] -> [T, H] in x's dtype."""
     _check(x, top_k_ids, top_k_weights, w_gate_up, w_down, activation)
-    return _moe_local(x, top_k_ids, top_k_weights, w_gate_up, w_down, activation, interpret,
-                      generation)
+    return _moe_local(
+        x, top_k_ids, top_k_weights, w_gate_up, w_down, activation, interpret, generation
+    )
 
 
 def _moe_local(x, ids, weights, w_gate_up, w_down, activation, interpret, generation):
@@ -166,8 +196,9 @@ def moe_reference(x, top_k_ids, top_k_weights, w_gate_up, w_down, *, activation:
 # -------------------------------------------------------------------------------------------------
 
 
-def _body_all_gather(x, ids, weights, w_gate_up, w_down, *, axis, activation, interpret,
-                     generation):
+def _body_all_gather(
+    x, ids, weights, w_gate_up, w_down, *, axis, activation, interpret, generation
+):
     me = jax.lax.axis_index(axis)
     local_experts = w_gate_up.shape[0]
     x_all = jax.lax.all_gather(x, axis, tiled=True)  # [T, H]
@@ -187,23 +218,29 @@ def _body_all_gather(x, ids, weights, w_gate_up, w_down, *, axis, activation, in
     r = jnp.arange(n)
     pick = perm[jnp.minimum(offset + r, n - 1)]
     valid = r < jnp.sum(group_sizes)
-    y = _experts(x_all[pick // k], w_gate_up, w_down, group_sizes, activation, interpret,
-                 generation)
+    y = _experts(
+        x_all[pick // k], w_gate_up, w_down, group_sizes, activation, interpret, generation
+    )
     scale = jnp.where(valid, w_all.reshape(-1)[pick].astype(jnp.float32), 0.0)
-    partial = jnp.zeros((t, x.shape[1]), jnp.float32).at[pick // k].add(
-        y.astype(jnp.float32) * scale[:, None])
+    partial = (
+        jnp.zeros((t, x.shape[1]), jnp.float32)
+        .at[pick // k]
+        .add(y.astype(jnp.float32) * scale[:, None])
+    )
     return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                             recv_sizes, *, axis):
+def _dense_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis
+):
     """jax.lax.ragged_all_to_all's semantics (one slice per peer) on the dense all_to_all: each
     peer's slice is padded to operand's row count. For backends without the ragged op."""
     cap = operand.shape[0]
     r = jnp.arange(cap)
     src = input_offsets[:, None] + r[None, :]  # [D, cap]
-    send = jnp.where((r[None, :] < send_sizes[:, None])[..., None],
-                     operand[jnp.minimum(src, cap - 1)], 0)
+    send = jnp.where(
+        (r[None, :] < send_sizes[:, None])[..., None], operand[jnp.minimum(src, cap - 1)], 0
+    )
     got = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # got[s] = slice s sent to me
     where_to = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # their offsets for me
     dst = where_to[:, None] + r[None, :]
@@ -211,10 +248,14 @@ def _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
     return output.at[dst.reshape(-1)].set(got.reshape(-1, operand.shape[1]), mode="drop")
 
 
-def _body_all_to_all(x, ids, weights, w_gate_up, w_down, *, axis, activation, interpret,
-                     generation, ragged):
-    exchange = (functools.partial(jax.lax.ragged_all_to_all, axis_name=axis) if ragged
-                else functools.partial(_dense_ragged_all_to_all, axis=axis))
+def _body_all_to_all(
+    x, ids, weights, w_gate_up, w_down, *, axis, activation, interpret, generation, ragged
+):
+    exchange = (
+        functools.partial(jax.lax.ragged_all_to_all, axis_name=axis)
+        if ragged
+        else functools.partial(_dense_ragged_all_to_all, axis=axis)
+    )
     me = jax.lax.axis_index(axis)
     devices = jax.lax.axis_size(axis)
     local_experts = w_gate_up.shape[0]
@@ -232,8 +273,14 @@ def _body_all_to_all(x, ids, weights, w_gate_up, w_down, *, axis, activation, in
     # Receivers stack the slices by source: mine lands after those of lower-numbered sources.
     output_offsets = _exclusive_cumsum(per_pair, axis=0)[me]
     cap = n * devices  # worst case: every pick of every device routed here
-    got = exchange(x[perm // k], jnp.zeros((cap, x.shape[1]), x.dtype), input_offsets,
-                   send_sizes, output_offsets, recv_sizes)
+    got = exchange(
+        x[perm // k],
+        jnp.zeros((cap, x.shape[1]), x.dtype),
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+    )
     # Received rows come per source, each sorted by local expert: find each row's expert and
     # regroup by expert (rows past the received total get the no-group id local_experts).
     row = jnp.arange(cap)
@@ -245,16 +292,21 @@ def _body_all_to_all(x, ids, weights, w_gate_up, w_down, *, axis, activation, in
     expert = jnp.where(row < jnp.sum(recv_sizes), expert, local_experts)
     order = jnp.argsort(expert, stable=True)
     group_sizes = jnp.sum(mine, axis=0)
-    y_sorted = _experts(got[order], w_gate_up, w_down, group_sizes, activation, interpret,
-                        generation)
+    y_sorted = _experts(
+        got[order], w_gate_up, w_down, group_sizes, activation, interpret, generation
+    )
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     # Back the same way: my received slice from s returns to where s read it from.
     back_offsets = _exclusive_cumsum(per_pair, axis=1)[:, me]
-    back = exchange(y, jnp.zeros((n, x.shape[1]), y.dtype), recv_offsets, recv_sizes,
-                    back_offsets, send_sizes)
+    back = exchange(
+        y, jnp.zeros((n, x.shape[1]), y.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes
+    )
     scale = weights.reshape(-1)[perm].astype(jnp.float32)
-    out = jnp.zeros((t, x.shape[1]), jnp.float32).at[perm // k].add(
-        back.astype(jnp.float32) * scale[:, None])
+    out = (
+        jnp.zeros((t, x.shape[1]), jnp.float32)
+        .at[perm // k]
+        .add(back.astype(jnp.float32) * scale[:, None])
+    )
     return out.astype(x.dtype)
 
 
@@ -267,8 +319,10 @@ def _check(x, ids, weights, w_gate_up, w_down, activation):
     if x.ndim != 2:
         raise ValueError(f"x: expected [tokens, hidden], got shape {x.shape}")
     if ids.ndim != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
-        raise ValueError(f"top_k_ids / top_k_weights: expected matching [{x.shape[0]}, top_k] "
-                         f"shapes, got {ids.shape} and {weights.shape}")
+        raise ValueError(
+            f"top_k_ids / top_k_weights: expected matching [{x.shape[0]}, top_k] "
+            f"shapes, got {ids.shape} and {weights.shape}"
+        )
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"top_k_ids: expected an integer dtype, got {ids.dtype}")
     if w_gate_up.ndim != 3 or w_gate_up.shape[1] != x.shape[1] or w_gate_up.shape[2] % 2:
@@ -280,10 +334,20 @@ def _check(x, ids, weights, w_gate_up, w_down, activation):
         raise ValueError(f"activation: expected one of silu, gelu, gelu_tanh, got {activation!r}")
 
 
-def expert_parallel_moe(x, top_k_ids, top_k_weights, w_gate_up, w_down, *, mesh: Mesh,
-                        axis: str = "ep", collectives: Optional[str] = None,
-                        activation: str = "silu", interpret=False,
-                        generation: Optional[str] = None):
+def expert_parallel_moe(
+    x,
+    top_k_ids,
+    top_k_weights,
+    w_gate_up,
+    w_down,
+    *,
+    mesh: Mesh,
+    axis: str = "ep",
+    collectives: Optional[str] = None,
+    activation: str = "silu",
+    interpret=False,
+    generation: Optional[str] = None,
+):
     """`moe_layer` with the experts split over mesh axis `axis` (module docstring): x, ids and
     weights are split along tokens, w_gate_up / w_down along experts; returns [T, H] split along
     tokens. `collectives`: one of COLLECTIVES (default: default_collectives() of the mesh's
@@ -295,26 +359,30 @@ def expert_parallel_moe(x, top_k_ids, top_k_weights, w_gate_up, w_down, *, mesh:
     devices = mesh.shape[axis]
     num_experts, tokens = w_gate_up.shape[0], x.shape[0]
     if num_experts % devices:
-        raise ValueError(f"mesh axis {axis!r} of size {devices} does not divide the "
-                         f"{num_experts} experts (w_gate_up.shape[0])")
+        raise ValueError(
+            f"mesh axis {axis!r} of size {devices} does not divide the "
+            f"{num_experts} experts (w_gate_up.shape[0])"
+        )
     if tokens % devices:
-        raise ValueError(f"mesh axis {axis!r} of size {devices} does not divide the {tokens} "
-                         f"tokens (x.shape[0]); pad the batch")
+        raise ValueError(
+            f"mesh axis {axis!r} of size {devices} does not divide the {tokens} "
+            f"tokens (x.shape[0]); pad the batch"
+        )
     platform = mesh.devices.flat[0].platform
     collectives = collectives or default_collectives(platform)
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives: expected one of {COLLECTIVES}, got {collectives!r}")
     if collectives == "ragged_all_to_all" and platform == "cpu":
-        raise ValueError("collectives: XLA:CPU has no ragged_all_to_all; use 'all_to_all' or "
-                         "'all_gather' on CPU")
+        raise ValueError(
+            "collectives: XLA:CPU has no ragged_all_to_all; use 'all_to_all' or 'all_gather' on CPU"
+        )
     kw = dict(axis=axis, activation=activation, interpret=interpret, generation=generation)
     if collectives == "all_gather":
         body = functools.partial(_body_all_gather, **kw)
     else:
-        body = functools.partial(_body_all_to_all, ragged=collectives == "ragged_all_to_all",
-                                 **kw)
+        body = functools.partial(_body_all_to_all, ragged=collectives == "ragged_all_to_all", **kw)
     tok, exp = P(axis), P(axis)
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, exp, exp), out_specs=tok,
-                            check_vma=False)
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(tok, tok, tok, exp, exp), out_specs=tok, check_vma=False
+    )
     return sharded(x, top_k_ids.astype(jnp.int32), top_k_weights, w_gate_up, w_down)
-

@@ -3,7 +3,7 @@ layout), the gate_up gmm with the gated activation fused into its epilogue, and 
 gradient).
 
 Schedule. The rows of lhs are grouped contiguously by `group_sizes`. Before the kernel, a few cheap
-jnp ops turn group_sizes into a *work list* (tiling.work_list): one item per (row tile, group) pair
+jnp ops turn group_sizes into a *work list* (schedule.work_list): one item per (row tile, group) pair
 that shares rows, in row order, padded with inert items to a static length L = row tiles + groups.
 The list is scalar-prefetched into SMEM, so the grid has a static size and the kernel runs
 unchanged in both interpret modes and on hardware.
@@ -55,24 +55,34 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import schedule as _schedule
 from . import tiling as _tiling
-from .tiling import F_COMPUTE, F_FIRST, F_LAST, GMM_FIELDS, GmmTiling, TgmmTiling
+from .schedule import LAYOUT
+from .tiling import GmmTiling, TgmmTiling
+from .work_list import COMPUTE, FIRST, LAST
 
-__all__ = ["gmm", "gmm_gated", "tgmm", "gated_activation", "QUANTISED_DTYPES", "ACTIVATIONS",
-           "GATE_LAYOUTS"]
+__all__ = [
+    "gmm",
+    "gmm_gated",
+    "tgmm",
+    "gated_activation",
+    "QUANTISED_DTYPES",
+    "ACTIVATIONS",
+    "GATE_LAYOUTS",
+]
 
 QUANTISED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 ACTIVATIONS = _tiling.ACTIVATIONS
 GATE_LAYOUTS = _tiling.GATE_LAYOUTS
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
-_F = {name: i for i, name in enumerate(GMM_FIELDS)}
 # The LLO scheduler flag tokamax exposes as `use_experimental_scheduler`; measured on the gmm
 # schedule (README "ragged-dot-tpu"), on by default where it helps.
 LP_SCHEDULER_FLAG = "XLA_TPU_FORCE_LP_LLO_SCHEDULER"
 
 
 def _field(wl_ref, name, j, L):
-    return wl_ref[_F[name] * L + j]
+    """Field `name` of item j of the SMEM work list (L records; schedule.LAYOUT)."""
+    return LAYOUT.read(wl_ref, name, j, L)
 
 
 def _row_mask(start, rows, lo, hi):
@@ -115,7 +125,7 @@ def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
     nfull = _field(wl_ref, "NFULL", j, L)
     tstart = _field(wl_ref, "TSTART", j, L)
     bucket = _field(wl_ref, "BUCKET", j, L)
-    compute = (flags & F_COMPUTE) != 0
+    compute = (flags & COMPUTE) != 0
 
     @pl.when(compute & (nfull > 0))
     def _full_chunks():
@@ -167,13 +177,17 @@ def _compiler_params(semantics, vmem_limit, lp_scheduler, generation):
     if lp_scheduler is None:
         lp_scheduler = _tiling.use_lp_scheduler(generation)
     flags = {LP_SCHEDULER_FLAG: True} if lp_scheduler else None
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit,
-                                flags=flags)
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=vmem_limit, flags=flags
+    )
 
 
 def _cost_estimate(c: dict) -> pl.CostEstimate:
-    return pl.CostEstimate(flops=int(c["flops"]), transcendentals=int(c["transcendentals"]),
-                           bytes_accessed=int(c["bytes_accessed"]))
+    return pl.CostEstimate(
+        flops=int(c["flops"]),
+        transcendentals=int(c["transcendentals"]),
+        bytes_accessed=int(c["bytes_accessed"]),
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -181,8 +195,27 @@ def _cost_estimate(c: dict) -> pl.CostEstimate:
 # -------------------------------------------------------------------------------------------------
 
 
-def _gmm_kernel(wl_ref, lhs_ref, *refs, L, kt, k_size, tk, tn, buckets, unit, rc, transpose_rhs,
-                quantised, has_bias, n_rhs, activation, layout, n_valid, compute_dtype):
+def _gmm_kernel(
+    wl_ref,
+    lhs_ref,
+    *refs,
+    L,
+    kt,
+    k_size,
+    tk,
+    tn,
+    buckets,
+    unit,
+    rc,
+    transpose_rhs,
+    quantised,
+    has_bias,
+    n_rhs,
+    activation,
+    layout,
+    n_valid,
+    compute_dtype,
+):
     """n_rhs weight refs (1, or 2 for concatenated gate/up), each with its own scale / bias ref,
     accumulator and (quantised or K tail) prepared-weight copy."""
     refs = list(refs)
@@ -200,9 +233,9 @@ def _gmm_kernel(wl_ref, lhs_ref, *refs, L, kt, k_size, tk, tn, buckets, unit, rc
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
     is_last_k = kb == kt - 1
-    compute = (flags & F_COMPUTE) != 0
+    compute = (flags & COMPUTE) != 0
 
-    @pl.when(((flags & F_FIRST) != 0) & (kb == 0))
+    @pl.when(((flags & FIRST) != 0) & (kb == 0))
     def _zero():
         for acc_ref in acc_refs:
             acc_ref[...] = jnp.zeros_like(acc_ref)
@@ -259,7 +292,7 @@ def _gmm_kernel(wl_ref, lhs_ref, *refs, L, kt, k_size, tk, tn, buckets, unit, rc
 
     _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
-    @pl.when(((flags & F_LAST) != 0) & is_last_k)
+    @pl.when(((flags & LAST) != 0) & is_last_k)
     def _store():
         if activation is None:
             out_ref[...] = acc_refs[0][...].astype(out_ref.dtype)
@@ -267,8 +300,9 @@ def _gmm_kernel(wl_ref, lhs_ref, *refs, L, kt, k_size, tk, tn, buckets, unit, rc
             h = gated_activation(acc_refs[0][...], acc_refs[1][...], activation)
             out_ref[...] = h.astype(out_ref.dtype)
         else:
-            out_ref[...] = _interleaved_epilogue(acc_refs[0][...], activation, tn, n_valid, nb,
-                                                 out_ref.dtype)
+            out_ref[...] = _interleaved_epilogue(
+                acc_refs[0][...], activation, tn, n_valid, nb, out_ref.dtype
+            )
 
 
 def _interleaved_epilogue(acc, activation, tn, n_valid, nb, out_dtype):
@@ -291,13 +325,28 @@ def _interleaved_epilogue(acc, activation, tn, n_valid, nb, out_dtype):
         out = jnp.dot(h.astype(jnp.bfloat16), sel, preferred_element_type=jnp.float32)
     else:
         sel = (r == 2 * c).astype(jnp.float32)
-        out = jnp.dot(h, sel, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+        out = jnp.dot(
+            h, sel, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
     return out.astype(out_dtype)
 
 
-def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, tiling, interpret,
-              generation, activation, layout, lp_scheduler):
+def _gmm_call(
+    lhs,
+    rhs,
+    group_sizes,
+    scales,
+    bias,
+    *,
+    transpose_rhs,
+    out_dtype,
+    tiling,
+    interpret,
+    generation,
+    activation,
+    layout,
+    lp_scheduler,
+):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n_rhs_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -310,18 +359,27 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
             # lhs @ W = 0 (+ bias): the activation of a zero pre-activation is still computed.
             raise ValueError("gmm_gated: K must be positive")
         return jnp.zeros((m, n), out_dtype)
-    t = tiling or _tiling.gmm_tiling(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
-                                     num_groups=num_groups, generation=generation,
-                                     gate_layout=layout if gated else None)
+    t = tiling or _tiling.gmm_tiling(
+        m,
+        k,
+        n,
+        lhs.dtype,
+        rhs.dtype,
+        out_dtype,
+        num_groups=num_groups,
+        generation=generation,
+        gate_layout=layout if gated else None,
+    )
     tm, tk, tn = t.tm, t.tk, t.tn
     if gated:
         _tiling.check_gated_tn(tn, n, layout)
-    unit = _tiling.row_unit(lhs.dtype)
-    buckets = _tiling.bucket_sizes(tm, unit)
-    L = _tiling.work_list_length(m, tm, num_groups)
+    unit = _schedule.row_unit(lhs.dtype)
+    buckets = _schedule.bucket_sizes(tm, unit)
+    L = _schedule.work_list_length(m, tm, num_groups)
     kt, nt = pl.cdiv(k, tk), pl.cdiv(n, tn)
-    wl = _tiling.work_list(group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets,
-                           unit=unit, kind="gmm", xp=jnp)
+    wl = _schedule.work_list(
+        group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets, unit=unit, kind="gmm", xp=jnp
+    )
     # Column blocks of the rhs per output tile nb: (block width, block index of each weight ref).
     if not gated:
         wcols, col_blocks = tn, [lambda nb: nb]
@@ -340,14 +398,23 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
 
     def rhs_spec(col):
         if transpose_rhs:
-            return pl.BlockSpec((None, wcols, tk), lambda nb, j, kb, wl_ref: (
-                _field(wl_ref, "GROUP", j, L), col(nb), k_of(j, kb, wl_ref)))
-        return pl.BlockSpec((None, tk, wcols), lambda nb, j, kb, wl_ref: (
-            _field(wl_ref, "GROUP", j, L), k_of(j, kb, wl_ref), col(nb)))
+            return pl.BlockSpec(
+                (None, wcols, tk),
+                lambda nb, j, kb, wl_ref: (
+                    _field(wl_ref, "GROUP", j, L),
+                    col(nb),
+                    k_of(j, kb, wl_ref),
+                ),
+            )
+        return pl.BlockSpec(
+            (None, tk, wcols),
+            lambda nb, j, kb, wl_ref: (_field(wl_ref, "GROUP", j, L), k_of(j, kb, wl_ref), col(nb)),
+        )
 
     def row_vector_spec(col):  # per-group (1, wcols) rows of scales / bias
-        return pl.BlockSpec((None, 1, wcols), lambda nb, j, kb, wl_ref: (
-            _field(wl_ref, "GROUP", j, L), 0, col(nb)))
+        return pl.BlockSpec(
+            (None, 1, wcols), lambda nb, j, kb, wl_ref: (_field(wl_ref, "GROUP", j, L), 0, col(nb))
+        )
 
     in_specs = [pl.BlockSpec((tm, tk), lhs_map)] + [rhs_spec(c) for c in col_blocks]
     args = [lhs] + [rhs] * n_rhs
@@ -365,15 +432,49 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
     if quantised or k % tk:
         wshape = (wcols, tk) if transpose_rhs else (tk, wcols)
         scratch += [pltpu.VMEM(wshape, compute_dtype) for _ in range(n_rhs)]
-    need = _tiling.gmm_vmem_bytes(tm, tk, tn, lhs.dtype, rhs.dtype, out_dtype, k=k,
-                                  quantised=quantised, gate_layout=layout if gated else None)
-    cost = _tiling.call_cost("gmm", m, k, n, num_groups, lhs.dtype, rhs.dtype, out_dtype, t,
-                             activation=activation, gate_layout=layout if gated else None)
+    need = _tiling.gmm_vmem_bytes(
+        tm,
+        tk,
+        tn,
+        lhs.dtype,
+        rhs.dtype,
+        out_dtype,
+        k=k,
+        quantised=quantised,
+        gate_layout=layout if gated else None,
+    )
+    cost = _tiling.call_cost(
+        "gmm",
+        m,
+        k,
+        n,
+        num_groups,
+        lhs.dtype,
+        rhs.dtype,
+        out_dtype,
+        t,
+        activation=activation,
+        gate_layout=layout if gated else None,
+    )
     kernel = functools.partial(
-        _gmm_kernel, L=L, kt=kt, k_size=k, tk=tk, tn=tn, buckets=buckets, unit=unit,
-        rc=_tiling.row_chunk(tm), transpose_rhs=transpose_rhs, quantised=quantised,
-        has_bias=has_bias, n_rhs=n_rhs, activation=activation, layout=layout, n_valid=n,
-        compute_dtype=compute_dtype)
+        _gmm_kernel,
+        L=L,
+        kt=kt,
+        k_size=k,
+        tk=tk,
+        tn=tn,
+        buckets=buckets,
+        unit=unit,
+        rc=_schedule.row_chunk(tm),
+        transpose_rhs=transpose_rhs,
+        quantised=quantised,
+        has_bias=has_bias,
+        n_rhs=n_rhs,
+        activation=activation,
+        layout=layout,
+        n_valid=n,
+        compute_dtype=compute_dtype,
+    )
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -384,9 +485,12 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
             out_specs=out_spec,
             scratch_shapes=scratch,
         ),
-        compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
-                                         _tiling.vmem_limit(t, need, generation), lp_scheduler,
-                                         generation),
+        compiler_params=_compiler_params(
+            ("parallel", "arbitrary", "arbitrary"),
+            _tiling.vmem_limit(t, need, generation),
+            lp_scheduler,
+            generation,
+        ),
         cost_estimate=_cost_estimate(cost),
         interpret=interpret,
         name="ragged_dot_gmm_gated" if gated else "ragged_dot_gmm",
@@ -396,13 +500,28 @@ def _gmm_call(lhs, rhs, group_sizes, scales, bias, *, transpose_rhs, out_dtype, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("transpose_rhs", "out_dtype", "tiling", "interpret", "generation",
-                     "lp_scheduler"),
+    static_argnames=(
+        "transpose_rhs",
+        "out_dtype",
+        "tiling",
+        "interpret",
+        "generation",
+        "lp_scheduler",
+    ),
 )
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional[jax.Array] = None,
-        *, transpose_rhs: bool = False, out_dtype=None, tiling: Optional[GmmTiling] = None,
-        interpret=False, generation: Optional[str] = None,
-        lp_scheduler: Optional[bool] = None) -> jax.Array:
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    scales: Optional[jax.Array] = None,
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    tiling: Optional[GmmTiling] = None,
+    interpret=False,
+    generation: Optional[str] = None,
+    lp_scheduler: Optional[bool] = None,
+) -> jax.Array:
     """out[rows of group g] = lhs[rows of g] @ rhs[g] (rhs[g].T with transpose_rhs).
 
     lhs [M, K]; rhs [G, K, N] or, with transpose_rhs, [G, N, K]; group_sizes int32 [G] with
@@ -415,22 +534,51 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scales: Optional
     quantised = jnp.dtype(rhs.dtype) in QUANTISED_DTYPES
     if quantised and scales is None:
         raise ValueError(f"gmm: rhs of dtype {rhs.dtype} needs scales f32 [G, N]")
-    return _gmm_call(lhs, rhs, group_sizes, scales, None, transpose_rhs=transpose_rhs,
-                     out_dtype=out_dtype, tiling=tiling, interpret=interpret,
-                     generation=generation, activation=None, layout=None,
-                     lp_scheduler=lp_scheduler)
+    return _gmm_call(
+        lhs,
+        rhs,
+        group_sizes,
+        scales,
+        None,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+        tiling=tiling,
+        interpret=interpret,
+        generation=generation,
+        activation=None,
+        layout=None,
+        lp_scheduler=lp_scheduler,
+    )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("activation", "layout", "transpose_rhs", "out_dtype", "tiling", "interpret",
-                     "generation", "lp_scheduler"),
+    static_argnames=(
+        "activation",
+        "layout",
+        "transpose_rhs",
+        "out_dtype",
+        "tiling",
+        "interpret",
+        "generation",
+        "lp_scheduler",
+    ),
 )
-def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-              bias: Optional[jax.Array] = None, *, activation: str = "silu",
-              layout: str = "concatenated", transpose_rhs: bool = False, out_dtype=None,
-              tiling: Optional[GmmTiling] = None, interpret=False,
-              generation: Optional[str] = None, lp_scheduler: Optional[bool] = None) -> jax.Array:
+def gmm_gated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    bias: Optional[jax.Array] = None,
+    *,
+    activation: str = "silu",
+    layout: str = "concatenated",
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    tiling: Optional[GmmTiling] = None,
+    interpret=False,
+    generation: Optional[str] = None,
+    lp_scheduler: Optional[bool] = None,
+) -> jax.Array:
     """The gate_up projection of a gated MLP with its activation fused: [M, I] =
     act(gate) * up of h = lhs @ rhs[g] (+ bias[g]), h [M, 2I] never written to HBM.
 
@@ -450,10 +598,21 @@ def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         raise TypeError("rhs: gmm_gated takes float weights (bf16 / f32)")
     if bias is not None and bias.shape != (rhs.shape[0], two_i):
         raise ValueError(f"bias: expected shape {(rhs.shape[0], two_i)}, got {bias.shape}")
-    return _gmm_call(lhs, rhs, group_sizes, None, bias, transpose_rhs=transpose_rhs,
-                     out_dtype=out_dtype, tiling=tiling, interpret=interpret,
-                     generation=generation, activation=activation, layout=layout,
-                     lp_scheduler=lp_scheduler)
+    return _gmm_call(
+        lhs,
+        rhs,
+        group_sizes,
+        None,
+        bias,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+        tiling=tiling,
+        interpret=interpret,
+        generation=generation,
+        activation=activation,
+        layout=layout,
+        lp_scheduler=lp_scheduler,
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -467,7 +626,7 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
     lo = _field(wl_ref, "LO", j, L)
     hi = _field(wl_ref, "HI", j, L)
 
-    @pl.when((flags & F_FIRST) != 0)
+    @pl.when((flags & FIRST) != 0)
     def _zero():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
@@ -483,22 +642,32 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
             y = dout_ref[pl.ds(s, rows), pl.ds(n0, cn)]
             y = jnp.where(row_ok, y, jnp.zeros_like(y))
             acc_ref[:, pl.ds(n0, cn)] += jax.lax.dot_general(
-                x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
 
         _over_chunks(tn, cn, columns)
 
     _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
-    @pl.when((flags & F_LAST) != 0)
+    @pl.when((flags & LAST) != 0)
     def _store():
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("out_dtype", "tiling", "interpret", "generation", "lp_scheduler"))
-def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-         tiling: Optional[TgmmTiling] = None, interpret=False,
-         generation: Optional[str] = None, lp_scheduler: Optional[bool] = None) -> jax.Array:
+    jax.jit, static_argnames=("out_dtype", "tiling", "interpret", "generation", "lp_scheduler")
+)
+def tgmm(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=None,
+    tiling: Optional[TgmmTiling] = None,
+    interpret=False,
+    generation: Optional[str] = None,
+    lp_scheduler: Optional[bool] = None,
+) -> jax.Array:
     """out[g] = lhs[rows of g].T @ dout[rows of g]: lhs [M, K], dout [M, N] -> [G, K, N].
 
     Empty groups give exact zeros; rows past sum(group_sizes) are ignored. f32 accumulation,
@@ -510,35 +679,46 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if m == 0 or k == 0 or n == 0 or num_groups == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
-    t = tiling or _tiling.tgmm_tiling(m, k, n, lhs.dtype, dout.dtype, out_dtype,
-                                      num_groups=num_groups, generation=generation)
+    t = tiling or _tiling.tgmm_tiling(
+        m, k, n, lhs.dtype, dout.dtype, out_dtype, num_groups=num_groups, generation=generation
+    )
     tm, tk, tn = t.tm, t.tk, t.tn
-    unit = _tiling.row_unit(lhs.dtype, dout.dtype)
-    buckets = _tiling.bucket_sizes(tm, unit)
-    L = _tiling.work_list_length(m, tm, num_groups)
+    unit = _schedule.row_unit(lhs.dtype, dout.dtype)
+    buckets = _schedule.bucket_sizes(tm, unit)
+    L = _schedule.work_list_length(m, tm, num_groups)
     kt, nt = pl.cdiv(k, tk), pl.cdiv(n, tn)
-    wl = _tiling.work_list(group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets,
-                           unit=unit, kind="tgmm", xp=jnp)
+    wl = _schedule.work_list(
+        group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets, unit=unit, kind="tgmm", xp=jnp
+    )
     need = _tiling.tgmm_vmem_bytes(tm, tk, tn, lhs.dtype, dout.dtype, out_dtype)
     cost = _tiling.call_cost("tgmm", m, k, n, num_groups, lhs.dtype, dout.dtype, out_dtype, t)
     call = pl.pallas_call(
-        functools.partial(_tgmm_kernel, L=L, tk=tk, tn=tn, buckets=buckets, unit=unit,
-                          rc=_tiling.row_chunk(tm)),
+        functools.partial(
+            _tgmm_kernel, L=L, tk=tk, tn=tn, buckets=buckets, unit=unit, rc=_schedule.row_chunk(tm)
+        ),
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(kt, nt, L),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda kb, nb, j, wl_ref: (_field(wl_ref, "TILE", j, L), kb)),
-                pl.BlockSpec((tm, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "TILE", j, L), nb)),
+                pl.BlockSpec(
+                    (tm, tk), lambda kb, nb, j, wl_ref: (_field(wl_ref, "TILE", j, L), kb)
+                ),
+                pl.BlockSpec(
+                    (tm, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "TILE", j, L), nb)
+                ),
             ],
             out_specs=pl.BlockSpec(
-                (None, tk, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "OUT", j, L), kb, nb)),
+                (None, tk, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "OUT", j, L), kb, nb)
+            ),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
-        compiler_params=_compiler_params(("parallel", "parallel", "arbitrary"),
-                                         _tiling.vmem_limit(t, need, generation), lp_scheduler,
-                                         generation),
+        compiler_params=_compiler_params(
+            ("parallel", "parallel", "arbitrary"),
+            _tiling.vmem_limit(t, need, generation),
+            lp_scheduler,
+            generation,
+        ),
         cost_estimate=_cost_estimate(cost),
         interpret=interpret,
         name="ragged_dot_tgmm",

@@ -10,6 +10,13 @@ d rhs = tgmm(lhs, grad) (or tgmm(grad, lhs) for the [G, N, K] layout). gmm_gated
 recomputes the pre-activation [M, 2I] with gmm (the forward never wrote it), takes the activation's
 vjp in f32, and runs the same dlhs / tgmm kernels; the bias gradient is the per-group row sum.
 
+Shape buckets (shape_buckets.py): the public functions pad the row count M up to its token bucket
+before the op runs and return the caller's M rows, so a new M compiles only when it lands in a new
+bucket. The padded rows lie past sum(group_sizes): they join no group, the kernels write them as
+zeros and never read them, tgmm ignores them, and autograd drops their gradient at the slice.
+Everything else that crosses the op as a Python value (transpose_rhs, out_dtype, activation,
+layout, tile overrides) is fixed per model: a compile key by design.
+
 Every public function validates its inputs (shapes, dtypes, devices, group_sizes values) and
 raises ValueError / TypeError naming the argument before any kernel runs.
 """
@@ -25,9 +32,19 @@ from . import kernel as _kernel
 from . import tiling as _tiling
 from ._ops import add_op_namespace_prefix
 from .jax_bridge import jax_op, pallas_interpret
+from .shape_buckets import bucket_tokens
 
-__all__ = ["ragged_dot", "gmm", "gmm_gated", "tgmm", "gmm_op", "gmm_gated_op", "tgmm_op",
-           "gated_activation_torch"]
+__all__ = [
+    "ragged_dot",
+    "gmm",
+    "gmm_gated",
+    "tgmm",
+    "gmm_op",
+    "gmm_gated_op",
+    "tgmm_op",
+    "gated_activation_torch",
+    "pad_rows",
+]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -52,62 +69,147 @@ def _override(tm: int, tk: int, tn: int) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 
-def _gmm_jax(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-             scales: Optional[jax.Array] = None, transpose_rhs: bool = False, out_dtype: str = "",
-             tm: int = 0, tk: int = 0, tn: int = 0) -> jax.Array:
+def _gmm_jax(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    scales: Optional[jax.Array] = None,
+    transpose_rhs: bool = False,
+    out_dtype: str = "",
+    tm: int = 0,
+    tk: int = 0,
+    tn: int = 0,
+) -> jax.Array:
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out = out_dtype or lhs.dtype
     tiling = None
     if tm or tk or tn:
-        tiling = _tiling.gmm_tiling(m, k, n, lhs.dtype, rhs.dtype, out, num_groups=rhs.shape[0],
-                                    override=_override(tm, tk, tn))
-    return _kernel.gmm(lhs, rhs, group_sizes, scales, transpose_rhs=transpose_rhs,
-                       out_dtype=out_dtype or None, tiling=tiling, interpret=pallas_interpret())
+        tiling = _tiling.gmm_tiling(
+            m,
+            k,
+            n,
+            lhs.dtype,
+            rhs.dtype,
+            out,
+            num_groups=rhs.shape[0],
+            override=_override(tm, tk, tn),
+        )
+    return _kernel.gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        scales,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype or None,
+        tiling=tiling,
+        interpret=pallas_interpret(),
+    )
 
 
-def _gmm_fake(lhs, rhs, group_sizes, scales=None, transpose_rhs=False, out_dtype="", tm=0, tk=0,
-              tn=0):
+def _gmm_fake(
+    lhs, rhs, group_sizes, scales=None, transpose_rhs=False, out_dtype="", tm=0, tk=0, tn=0
+):
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return lhs.new_empty((lhs.shape[0], n), dtype=_OUT_DTYPES[out_dtype] or lhs.dtype)
 
 
-def _tgmm_jax(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: str = "",
-              tm: int = 0, tk: int = 0, tn: int = 0) -> jax.Array:
+def _tgmm_jax(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    out_dtype: str = "",
+    tm: int = 0,
+    tk: int = 0,
+    tn: int = 0,
+) -> jax.Array:
     m, k = lhs.shape
     n = dout.shape[1]
     tiling = None
     if tm or tk or tn:
-        tiling = _tiling.tgmm_tiling(m, k, n, lhs.dtype, dout.dtype, out_dtype or lhs.dtype,
-                                     num_groups=group_sizes.shape[0],
-                                     override=_override(tm, tk, tn))
-    return _kernel.tgmm(lhs, dout, group_sizes, out_dtype=out_dtype or None, tiling=tiling,
-                        interpret=pallas_interpret())
+        tiling = _tiling.tgmm_tiling(
+            m,
+            k,
+            n,
+            lhs.dtype,
+            dout.dtype,
+            out_dtype or lhs.dtype,
+            num_groups=group_sizes.shape[0],
+            override=_override(tm, tk, tn),
+        )
+    return _kernel.tgmm(
+        lhs,
+        dout,
+        group_sizes,
+        out_dtype=out_dtype or None,
+        tiling=tiling,
+        interpret=pallas_interpret(),
+    )
 
 
 def _tgmm_fake(lhs, dout, group_sizes, out_dtype="", tm=0, tk=0, tn=0):
-    return lhs.new_empty((group_sizes.shape[0], lhs.shape[1], dout.shape[1]),
-                         dtype=_OUT_DTYPES[out_dtype] or lhs.dtype)
+    return lhs.new_empty(
+        (group_sizes.shape[0], lhs.shape[1], dout.shape[1]),
+        dtype=_OUT_DTYPES[out_dtype] or lhs.dtype,
+    )
 
 
-def _gmm_gated_jax(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                   bias: Optional[jax.Array] = None, activation: str = "silu",
-                   layout: str = "concatenated", transpose_rhs: bool = False,
-                   out_dtype: str = "", tm: int = 0, tk: int = 0, tn: int = 0) -> jax.Array:
+def _gmm_gated_jax(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    bias: Optional[jax.Array] = None,
+    activation: str = "silu",
+    layout: str = "concatenated",
+    transpose_rhs: bool = False,
+    out_dtype: str = "",
+    tm: int = 0,
+    tk: int = 0,
+    tn: int = 0,
+) -> jax.Array:
     m, k = lhs.shape
     n = (rhs.shape[1] if transpose_rhs else rhs.shape[2]) // 2
     out = out_dtype or lhs.dtype
     tiling = None
     if tm or tk or tn:
-        tiling = _tiling.gmm_tiling(m, k, n, lhs.dtype, rhs.dtype, out, num_groups=rhs.shape[0],
-                                    override=_override(tm, tk, tn), gate_layout=layout)
-    return _kernel.gmm_gated(lhs, rhs, group_sizes, bias, activation=activation, layout=layout,
-                             transpose_rhs=transpose_rhs, out_dtype=out_dtype or None,
-                             tiling=tiling, interpret=pallas_interpret())
+        tiling = _tiling.gmm_tiling(
+            m,
+            k,
+            n,
+            lhs.dtype,
+            rhs.dtype,
+            out,
+            num_groups=rhs.shape[0],
+            override=_override(tm, tk, tn),
+            gate_layout=layout,
+        )
+    return _kernel.gmm_gated(
+        lhs,
+        rhs,
+        group_sizes,
+        bias,
+        activation=activation,
+        layout=layout,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype or None,
+        tiling=tiling,
+        interpret=pallas_interpret(),
+    )
 
 
-def _gmm_gated_fake(lhs, rhs, group_sizes, bias=None, activation="silu", layout="concatenated",
-                    transpose_rhs=False, out_dtype="", tm=0, tk=0, tn=0):
+def _gmm_gated_fake(
+    lhs,
+    rhs,
+    group_sizes,
+    bias=None,
+    activation="silu",
+    layout="concatenated",
+    transpose_rhs=False,
+    out_dtype="",
+    tm=0,
+    tk=0,
+    tn=0,
+):
     n = (rhs.shape[1] if transpose_rhs else rhs.shape[2]) // 2
     return lhs.new_empty((lhs.shape[0], n), dtype=_OUT_DTYPES[out_dtype] or lhs.dtype)
 
@@ -129,13 +231,15 @@ def _gmm_backward(ctx, grad):
     lhs, rhs, group_sizes = ctx.saved_tensors
     if ctx.quantised:
         raise NotImplementedError(
-            "ragged_dot gmm: int8 / float8 weights are forward-only; no gradient through them")
+            "ragged_dot gmm: int8 / float8 weights are forward-only; no gradient through them"
+        )
     grad = grad.to(ctx.lhs_dtype)
     dlhs = drhs = None
     if ctx.needs_input_grad[0]:
         # lhs @ rhs[g] -> grad @ rhs[g]^T: the same kernel with the other weight layout.
-        dlhs = gmm_op(grad, rhs, group_sizes, None, not ctx.transpose_rhs,
-                      _dtype_name(ctx.lhs_dtype))
+        dlhs = gmm_op(
+            grad, rhs, group_sizes, None, not ctx.transpose_rhs, _dtype_name(ctx.lhs_dtype)
+        )
     if ctx.needs_input_grad[1]:
         out = _dtype_name(ctx.rhs_dtype)
         if ctx.transpose_rhs:  # rhs [G, N, K]: grad[g]^T @ lhs[g]
@@ -194,18 +298,23 @@ def _gated_backward(ctx, grad):
     with torch.enable_grad():
         hh = h.detach().requires_grad_(True)
         (dh,) = torch.autograd.grad(
-            gated_activation_torch(hh, ctx.activation, ctx.layout), hh, grad.to(torch.float32))
+            gated_activation_torch(hh, ctx.activation, ctx.layout), hh, grad.to(torch.float32)
+        )
     # Rows outside every group had no pre-activation: no gradient flows from them.
     dh = torch.where(in_group, dh, torch.zeros((), dtype=dh.dtype, device=dh.device))
     dh_k = dh.to(ctx.lhs_dtype)
     dlhs = drhs = dbias = None
     if ctx.needs_input_grad[0]:
-        dlhs = gmm_op(dh_k, rhs, group_sizes, None, not ctx.transpose_rhs,
-                      _dtype_name(ctx.lhs_dtype))
+        dlhs = gmm_op(
+            dh_k, rhs, group_sizes, None, not ctx.transpose_rhs, _dtype_name(ctx.lhs_dtype)
+        )
     if ctx.needs_input_grad[1]:
         out = _dtype_name(ctx.rhs_dtype)
-        drhs = (tgmm_op(dh_k, lhs, group_sizes, out) if ctx.transpose_rhs
-                else tgmm_op(lhs, dh_k, group_sizes, out))
+        drhs = (
+            tgmm_op(dh_k, lhs, group_sizes, out)
+            if ctx.transpose_rhs
+            else tgmm_op(lhs, dh_k, group_sizes, out)
+        )
     if bias is not None and ctx.needs_input_grad[3]:
         dbias = torch.zeros((num_groups + 1, dh.shape[1]), dtype=torch.float32, device=dh.device)
         dbias = dbias.index_add(0, groups, dh)[:num_groups].to(bias.dtype)
@@ -235,21 +344,35 @@ def _check_group_sizes(group_sizes, num_groups: int, m: int, device) -> torch.Te
     if group_sizes.dim() != 1 or group_sizes.shape[0] != num_groups:
         raise ValueError(
             f"group_sizes: expected shape ({num_groups},) (one size per group), got "
-            f"{tuple(group_sizes.shape)}")
+            f"{tuple(group_sizes.shape)}"
+        )
     if group_sizes.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"group_sizes: expected int32 or int64, got {group_sizes.dtype}")
     if group_sizes.device != device:
         raise ValueError(
-            f"group_sizes: on {group_sizes.device}, expected the device of lhs ({device})")
+            f"group_sizes: on {group_sizes.device}, expected the device of lhs ({device})"
+        )
     # Values can only be checked outside tracing (they are data); on CPU this is free.
     if not torch.compiler.is_compiling() and group_sizes.device.type != "meta" and num_groups:
         if bool((group_sizes < 0).any()):
-            raise ValueError(f"group_sizes: expected non-negative sizes, got {group_sizes.tolist()}")
+            raise ValueError(
+                f"group_sizes: expected non-negative sizes, got {group_sizes.tolist()}"
+            )
         total = int(group_sizes.sum())
         if total > m:
             raise ValueError(
-                f"group_sizes: sum {total} exceeds the {m} rows of lhs (expected sum <= {m})")
+                f"group_sizes: sum {total} exceeds the {m} rows of lhs (expected sum <= {m})"
+            )
     return group_sizes.to(torch.int32)  # JAX runs without 64-bit integers
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [M, ...] with zero rows appended up to `rows` (differentiable: the padded rows' gradient
+    is dropped)."""
+    extra = rows - x.shape[0]
+    if extra <= 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, extra))
 
 
 def _same_device(device, **tensors) -> None:
@@ -263,9 +386,16 @@ def _same_device(device, **tensors) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
-        scales: Optional[torch.Tensor] = None, *, transpose_rhs: bool = False,
-        out_dtype: Optional[torch.dtype] = None, tiling: Optional[dict] = None) -> torch.Tensor:
+def gmm(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    scales: Optional[torch.Tensor] = None,
+    *,
+    transpose_rhs: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    tiling: Optional[dict] = None,
+) -> torch.Tensor:
     """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g].T with transpose_rhs).
 
     lhs [M, K] bf16/f32; rhs [G, K, N] (or [G, N, K] with transpose_rhs) of lhs's dtype, or int8 /
@@ -282,7 +412,8 @@ def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
     if rk != k:
         layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
         raise ValueError(
-            f"rhs: shape {tuple(rhs.shape)} read as {layout} has K={rk}, expected lhs's K={k}")
+            f"rhs: shape {tuple(rhs.shape)} read as {layout} has K={rk}, expected lhs's K={k}"
+        )
     _same_device(lhs.device, rhs=rhs, scales=scales)
     quantised = rhs.dtype in _QUANT_DTYPES
     if quantised:
@@ -290,11 +421,15 @@ def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
             raise ValueError(f"scales: rhs of dtype {rhs.dtype} needs per-channel scales [G, N]")
         _check_tensor("scales", scales, 2, (torch.float32, torch.bfloat16))
         if tuple(scales.shape) != (num_groups, n):
-            raise ValueError(f"scales: expected shape ({num_groups}, {n}), got {tuple(scales.shape)}")
+            raise ValueError(
+                f"scales: expected shape ({num_groups}, {n}), got {tuple(scales.shape)}"
+            )
         scales = scales.to(torch.float32)
     else:
         if scales is not None:
-            raise ValueError(f"scales: only int8 / float8_e4m3fn rhs takes scales, rhs is {rhs.dtype}")
+            raise ValueError(
+                f"scales: only int8 / float8_e4m3fn rhs takes scales, rhs is {rhs.dtype}"
+            )
         if rhs.dtype != lhs.dtype:
             raise TypeError(f"rhs: dtype {rhs.dtype} must match lhs dtype {lhs.dtype}")
     group_sizes = _check_group_sizes(group_sizes, num_groups, m, lhs.device)
@@ -302,15 +437,32 @@ def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
     unknown = set(ov) - {"tm", "tk", "tn"}
     if unknown:
         raise ValueError(f"tiling: unknown keys {sorted(unknown)}; expected tm, tk, tn")
-    return gmm_op(lhs, rhs, group_sizes, scales, bool(transpose_rhs), _dtype_name(out_dtype),
-                  int(ov.get("tm", 0)), int(ov.get("tk", 0)), int(ov.get("tn", 0)))
+    out = gmm_op(
+        pad_rows(lhs, bucket_tokens(m)),
+        rhs,
+        group_sizes,
+        scales,
+        bool(transpose_rhs),
+        _dtype_name(out_dtype),
+        int(ov.get("tm", 0)),
+        int(ov.get("tk", 0)),
+        int(ov.get("tn", 0)),
+    )
+    return out[:m]
 
 
-def gmm_gated(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
-              bias: Optional[torch.Tensor] = None, *, activation: str = "silu",
-              layout: str = "concatenated", transpose_rhs: bool = False,
-              out_dtype: Optional[torch.dtype] = None,
-              tiling: Optional[dict] = None) -> torch.Tensor:
+def gmm_gated(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    activation: str = "silu",
+    layout: str = "concatenated",
+    transpose_rhs: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    tiling: Optional[dict] = None,
+) -> torch.Tensor:
     """Gate_up projection with the gated activation fused: act(gate) * up of
     h = lhs[rows of g] @ rhs[g] (+ bias[g]) -> [M, I]; h [M, 2I] is never written to memory.
 
@@ -332,7 +484,8 @@ def gmm_gated(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
     if rk != k:
         lay = "[G, 2I, K]" if transpose_rhs else "[G, K, 2I]"
         raise ValueError(
-            f"rhs: shape {tuple(rhs.shape)} read as {lay} has K={rk}, expected lhs's K={k}")
+            f"rhs: shape {tuple(rhs.shape)} read as {lay} has K={rk}, expected lhs's K={k}"
+        )
     if two_i % 2:
         raise ValueError(f"rhs: the gate_up dimension {two_i} must be even (gate and up halves)")
     if rhs.dtype != lhs.dtype:
@@ -340,20 +493,39 @@ def gmm_gated(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
     if bias is not None:
         _check_tensor("bias", bias, 2, _FLOAT_DTYPES)
         if tuple(bias.shape) != (num_groups, two_i):
-            raise ValueError(f"bias: expected shape ({num_groups}, {two_i}), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias: expected shape ({num_groups}, {two_i}), got {tuple(bias.shape)}"
+            )
     _same_device(lhs.device, rhs=rhs, bias=bias)
     group_sizes = _check_group_sizes(group_sizes, num_groups, m, lhs.device)
     ov = dict(tiling or {})
     unknown = set(ov) - {"tm", "tk", "tn"}
     if unknown:
         raise ValueError(f"tiling: unknown keys {sorted(unknown)}; expected tm, tk, tn")
-    return gmm_gated_op(lhs, rhs, group_sizes, bias, activation, layout, bool(transpose_rhs),
-                        _dtype_name(out_dtype), int(ov.get("tm", 0)), int(ov.get("tk", 0)),
-                        int(ov.get("tn", 0)))
+    out = gmm_gated_op(
+        pad_rows(lhs, bucket_tokens(m)),
+        rhs,
+        group_sizes,
+        bias,
+        activation,
+        layout,
+        bool(transpose_rhs),
+        _dtype_name(out_dtype),
+        int(ov.get("tm", 0)),
+        int(ov.get("tk", 0)),
+        int(ov.get("tn", 0)),
+    )
+    return out[:m]
 
 
-def tgmm(lhs: torch.Tensor, dout: torch.Tensor, group_sizes: torch.Tensor, *,
-         out_dtype: Optional[torch.dtype] = None, tiling: Optional[dict] = None) -> torch.Tensor:
+def tgmm(
+    lhs: torch.Tensor,
+    dout: torch.Tensor,
+    group_sizes: torch.Tensor,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    tiling: Optional[dict] = None,
+) -> torch.Tensor:
     """Per-group lhs^T @ dout: lhs [M, K], dout [M, N] -> [G, K, N] (the weight gradient of gmm).
     Empty groups give zeros; rows past sum(group_sizes) are ignored."""
     _check_tensor("lhs", lhs, 2, _FLOAT_DTYPES)
@@ -370,13 +542,28 @@ def tgmm(lhs: torch.Tensor, dout: torch.Tensor, group_sizes: torch.Tensor, *,
     unknown = set(ov) - {"tm", "tk", "tn"}
     if unknown:
         raise ValueError(f"tiling: unknown keys {sorted(unknown)}; expected tm, tk, tn")
-    return tgmm_op(lhs, dout, group_sizes, _dtype_name(out_dtype), int(ov.get("tm", 0)),
-                   int(ov.get("tk", 0)), int(ov.get("tn", 0)))
+    rows = bucket_tokens(lhs.shape[0])
+    return tgmm_op(
+        pad_rows(lhs, rows),
+        pad_rows(dout, rows),
+        group_sizes,
+        _dtype_name(out_dtype),
+        int(ov.get("tm", 0)),
+        int(ov.get("tk", 0)),
+        int(ov.get("tn", 0)),
+    )
 
 
-def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, precision=None,
-               preferred_element_type: Optional[torch.dtype] = None, group_offset=None, *,
-               scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+def ragged_dot(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    precision=None,
+    preferred_element_type: Optional[torch.dtype] = None,
+    group_offset=None,
+    *,
+    scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """`jax.lax.ragged_dot` semantics in torch: lhs [M, K], rhs [G, K, N], group_sizes [G] ->
     [M, N], rows past sum(group_sizes) zero. `preferred_element_type` is the output dtype (default
     lhs dtype); int8 / float8_e4m3fn rhs takes per-channel `scales` [G, N]. `precision` is accepted

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gmm_reference", "gmm_gated_reference", "gated_activation_reference",
-           "tgmm_reference", "dequantise"]
+__all__ = [
+    "gmm_reference",
+    "gmm_gated_reference",
+    "gated_activation_reference",
+    "tgmm_reference",
+    "dequantise",
+]
 
 
 def _f64(a) -> np.ndarray:
@@ -66,7 +71,7 @@ def gated_activation_reference(h, activation: str, layout: str) -> np.ndarray:
         erf = np.vectorize(math.erf, otypes=[np.float64])
         return 0.5 * gate * (1.0 + erf(gate / math.sqrt(2.0))) * up
     if activation == "gelu_tanh":
-        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
         return 0.5 * gate * (1.0 + np.tanh(inner)) * up
     if activation == "gpt_oss_swiglu":  # transformers' GptOssExperts._apply_gate
         gate = np.minimum(gate, 7.0)
@@ -75,8 +80,9 @@ def gated_activation_reference(h, activation: str, layout: str) -> np.ndarray:
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def gmm_gated_reference(lhs, rhs, group_sizes, bias=None, *, activation: str, layout: str,
-                        transpose_rhs: bool = False) -> np.ndarray:
+def gmm_gated_reference(
+    lhs, rhs, group_sizes, bias=None, *, activation: str, layout: str, transpose_rhs: bool = False
+) -> np.ndarray:
     """act(gate) * up of h = lhs[rows of g] @ rhs[g] (+ bias[g]); rows past the sum are zero."""
     h = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(np.float64)
     m = h.shape[0]

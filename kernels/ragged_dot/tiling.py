@@ -1,14 +1,15 @@
-"""Tile sizes, the static work list and the closed-form cost of the ragged-dot kernels.
+"""Tile sizes and the closed-form cost of the ragged-dot kernels.
 
-Everything here is plain Python / numpy (the work-list builder also runs on `jax.numpy` arrays
-inside the jitted wrapper, through the `xp` argument), so `estimate_cost` can replay exactly the
-schedule the kernel runs.
+Everything here is plain Python / numpy; `estimate_cost` replays exactly the schedule the kernel
+runs: the static work list of schedule.py (built by the same function the jitted wrapper runs on
+`jax.numpy` arrays). Its names (work_list, LAYOUT, the F_* flags, ...) stay importable from here.
 
 Tile choice (per generation): a search over row tiles tm in {128, 256, 512, 1024} (capped by M)
 and K / N tiles (the whole dimension, or a divisor from 256 to 4096) for the least modelled time =
 MXU FLOPs with the expected row padding / peak + HBM bytes / bandwidth + grid steps x step
 overhead, the traffic from the same schedule as `estimate_cost` with evenly sized groups, among the
-tiles whose VMEM need fits in half of the core's VMEM. The VMEM budget model counts every buffer
+tiles whose VMEM need fits the family's budget (tpu_generations.vmem_budget_bytes: half of
+the core's VMEM). The VMEM budget model counts every buffer
 the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
 scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
 is merged into the accumulator. Any of tm / tk / tn can be overridden; the rest are searched.
@@ -20,11 +21,33 @@ The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
-from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
+from . import tpu_generations as _generations
+from .schedule import (
+    F_COMPUTE,
+    F_FIRST,
+    F_LAST,
+    F_VALID,
+    GMM_FIELDS,
+    LAYOUT,
+    TGMM_FIELDS,
+    _fields,
+    _itemsize,
+    bucket_sizes,
+    row_chunk,
+    row_unit,
+    work_list,
+    work_list_length,
+)
+from .tpu_generations import (
+    GENERATIONS,  # noqa: F401  (re-exported: tiling.GENERATIONS)
+    KernelCost,
+    TpuGeneration,
+    get_generation,
+)
 
 __all__ = [
     "GmmTiling",
@@ -41,65 +64,23 @@ __all__ = [
     "estimate_cost",
     "GMM_FIELDS",
     "TGMM_FIELDS",
+    "F_COMPUTE",
+    "F_FIRST",
+    "F_LAST",
+    "F_VALID",
     "ACTIVATIONS",
     "GATE_LAYOUTS",
     "call_cost",
     "check_gated_tn",
     "use_lp_scheduler",
+    "vmem_budget_bytes",
+    "choose_tiles",
+    "LAYOUT",
 ]
 
 # Gated activations the gate_up gmm can fuse into its epilogue, and the gate/up column layouts.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss_swiglu")
 GATE_LAYOUTS = ("concatenated", "interleaved")
-
-# Work-list fields, stored field-major in one int32 array of length len(FIELDS) * L in SMEM.
-#   OUT: block index of the output (row tile for gmm, group for tgmm); padding repeats the last.
-#   TILE: row tile whose lhs (and dout) block is resident; carried from the last computing item so
-#         that items without MXU work never start a new DMA.
-#   GROUP: the weight group whose rhs block is resident (gmm); carried like TILE.
-#   KFIX: 1 for items without MXU work (gmm): their lhs/rhs block index freezes at the last K
-#         block, which is the index the previous step left resident.
-#   LO, HI: the item's rows inside the row tile, [LO, HI).
-#   START, NFULL: the item's matmul first runs NFULL full chunks of `chunk` rows from START (a
-#         multiple of the row unit at or below LO) in a loop,
-#   TSTART, BUCKET: then one tail window [TSTART, TSTART + buckets[BUCKET]) covering the rows left
-#         (BUCKET = -1: no tail). Rows outside [LO, HI) and rows an earlier chunk took are masked.
-#   FLAGS: COMPUTE | FIRST (first item of its output block) | LAST | VALID (not padding).
-GMM_FIELDS = ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "NFULL", "TSTART", "BUCKET",
-              "FLAGS")
-TGMM_FIELDS = GMM_FIELDS
-F_COMPUTE, F_FIRST, F_LAST, F_VALID = 1, 2, 4, 8
-
-def _itemsize(dtype) -> int:
-    return np.dtype(dtype).itemsize
-
-
-def row_unit(*dtypes) -> int:
-    """Rows of one (sublane x lane) VMEM tile for the narrowest dtype: dynamic row offsets into a
-    block must be multiples of it (f32: 8, bf16: 16, 8-bit: 32)."""
-    return max(8 * 4 // _itemsize(d) for d in dtypes)
-
-
-def row_chunk(tm: int) -> int:
-    """Rows of one full matmul chunk: an item's rows run as full chunks in a loop plus one tail
-    window, so the kernel holds matmul code for at most `chunk` rows whatever the row tile."""
-    return min(tm, 256)
-
-
-def bucket_sizes(tm: int, unit: int) -> tuple[int, ...]:
-    """Row counts a tail window may run on: powers of two from `unit`, plus every multiple of
-    chunk/8, up to the chunk. A 20-row group tail runs a 32-row matmul, not a whole tile; the
-    finer steps at larger sizes keep a tail's padding under chunk/8 rows."""
-    rc = row_chunk(tm)
-    sizes = set()
-    b = unit
-    while b < rc:
-        sizes.add(b)
-        b *= 2
-    step = max(unit, (rc // 8) // unit * unit)
-    sizes.update(range(step, rc + 1, step))
-    sizes.add(rc)
-    return tuple(sorted(s for s in sizes if s <= rc and s % unit == 0))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -127,8 +108,9 @@ class TgmmTiling:
     vmem_limit_bytes: Optional[int] = None
 
 
-def gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False,
-                   gate_layout=None) -> int:
+def gmm_vmem_bytes(
+    tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False, gate_layout=None
+) -> int:
     """VMEM the gmm kernel holds for these tiles (see the module docstring). `tn` is the output
     tile; a gated gmm (`gate_layout` given) holds 2 * tn weight / accumulator columns per output
     tile, plus the epilogue's activation values."""
@@ -182,9 +164,20 @@ def _epilogue_flops(m, n, tn, gate_layout) -> int:
     return 2 * m * 2 * tn * n if gate_layout == "interleaved" else 0
 
 
-def call_cost(kind: str, m: int, k: int, n: int, num_groups: int, lhs_dtype, rhs_dtype, out_dtype,
-              tiling, *, activation: Optional[str] = None,
-              gate_layout: Optional[str] = None) -> dict:
+def call_cost(
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype,
+    tiling,
+    *,
+    activation: Optional[str] = None,
+    gate_layout: Optional[str] = None,
+) -> dict:
     """The pallas_call's CostEstimate fields, from the closed forms of the tile search (group sizes
     are traced inside jit, so groups are taken evenly sized): flops = 2 * (M + expected row
     padding) * K * N (x2 for the gated gate and up halves, plus the interleaved epilogue's
@@ -206,8 +199,11 @@ def call_cost(kind: str, m: int, k: int, n: int, num_groups: int, lhs_dtype, rhs
         flops = 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
         # interleaved: the activation runs on all 2 tn lanes of a block before the compaction
         transcendentals = m * n * (2 if gate_layout == "interleaved" else 1)
-    return {"flops": int(flops), "transcendentals": int(transcendentals),
-            "bytes_accessed": int(nbytes)}
+    return {
+        "flops": int(flops),
+        "transcendentals": int(transcendentals),
+        "bytes_accessed": int(nbytes),
+    }
 
 
 def use_lp_scheduler(generation: Optional[str] = None) -> bool:
@@ -219,8 +215,9 @@ def use_lp_scheduler(generation: Optional[str] = None) -> bool:
 _LP_SCHEDULER_GENERATIONS: tuple[str, ...] = ()
 
 
-def _budget(gen: TpuGeneration) -> int:
-    return gen.vmem_bytes // 2
+def vmem_budget_bytes(gen: TpuGeneration) -> int:
+    """VMEM the tile search may fill: this family's share in tpu_generations.vmem_budget_bytes."""
+    return _generations.vmem_budget_bytes(gen, "ragged_dot")
 
 
 def _dim_candidates(size: int) -> list[int]:
@@ -271,8 +268,10 @@ def _gated_tn_candidates(n: int, layout: str) -> list[int]:
 
 def check_gated_tn(tn: int, n: int, layout: str) -> None:
     if layout == "concatenated" and n % tn:
-        raise ValueError(f"tiling: tn={tn} must divide the intermediate size {n} (concatenated "
-                         "gate/up: the up block sits I / tn blocks after the gate block)")
+        raise ValueError(
+            f"tiling: tn={tn} must divide the intermediate size {n} (concatenated "
+            "gate/up: the up block sits I / tn blocks after the gate block)"
+        )
     if layout == "interleaved" and tn != n and (2 * tn) % 128:
         raise ValueError(f"tiling: tn={tn} must be a multiple of 64 or the intermediate size {n}")
 
@@ -281,7 +280,7 @@ def _search(gen, m, k, n, num_groups, unit, ov, need, traffic, tn_cands=None, ex
     """The (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
     sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
     row tile, then to fewer grid steps. Fields given in `ov` are kept as given."""
-    budget = _budget(gen)
+    budget = vmem_budget_bytes(gen)
     best, smallest = None, None
     tms = _row_candidates(gen, m, unit, ov.get("tm"))
     tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
@@ -309,14 +308,25 @@ def _override(override, cls) -> dict:
     unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
     if unknown:
         raise ValueError(
-            f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn, vmem_limit_bytes")
+            f"tiling override: unknown fields {sorted(unknown)}; expected tm, tk, tn, vmem_limit_bytes"
+        )
     return {key: v for key, v in ov.items() if v is not None}
 
 
-def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
-               num_groups: int = 1, generation: Optional[str] = None,
-               override: Optional[GmmTiling | dict] = None,
-               quantised: Optional[bool] = None, gate_layout: Optional[str] = None) -> GmmTiling:
+def gmm_tiling(
+    m: int,
+    k: int,
+    n: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype=None,
+    *,
+    num_groups: int = 1,
+    generation: Optional[str] = None,
+    override: Optional[GmmTiling | dict] = None,
+    quantised: Optional[bool] = None,
+    gate_layout: Optional[str] = None,
+) -> GmmTiling:
     """Tiles for gmm on `generation` (default: the attached TPU's, else $PALLAS_TPU_GENERATION,
     else v6e). `override` (a GmmTiling or a dict with any of tm/tk/tn/vmem_limit_bytes) wins field
     by field; the other fields are searched with the override's fixed. With `gate_layout` the
@@ -341,10 +351,28 @@ def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
             return 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
 
     tm, tk, tn = _search(
-        gen, m, k, n, num_groups, unit, ov,
-        lambda tm, tk, tn: gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
-                                          quantised=quantised, gate_layout=gate_layout),
-        traffic, tn_cands, extra)
+        gen,
+        m,
+        k,
+        n,
+        num_groups,
+        unit,
+        ov,
+        lambda tm, tk, tn: gmm_vmem_bytes(
+            tm,
+            tk,
+            tn,
+            lhs_dtype,
+            rhs_dtype,
+            out_dtype,
+            k=k,
+            quantised=quantised,
+            gate_layout=gate_layout,
+        ),
+        traffic,
+        tn_cands,
+        extra,
+    )
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
     if gate_layout is None:
@@ -354,9 +382,18 @@ def gmm_tiling(m: int, k: int, n: int, lhs_dtype, rhs_dtype, out_dtype=None, *,
     return GmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
 
 
-def tgmm_tiling(m: int, k: int, n: int, lhs_dtype, dout_dtype, out_dtype=None, *,
-                num_groups: int = 1, generation: Optional[str] = None,
-                override: Optional[TgmmTiling | dict] = None) -> TgmmTiling:
+def tgmm_tiling(
+    m: int,
+    k: int,
+    n: int,
+    lhs_dtype,
+    dout_dtype,
+    out_dtype=None,
+    *,
+    num_groups: int = 1,
+    generation: Optional[str] = None,
+    override: Optional[TgmmTiling | dict] = None,
+) -> TgmmTiling:
     """Tiles for tgmm (lhs [m, k], dout [m, n] -> [num_groups, k, n]); see gmm_tiling."""
     gen = get_generation(generation)
     out_dtype = out_dtype or lhs_dtype
@@ -368,13 +405,69 @@ def tgmm_tiling(m: int, k: int, n: int, lhs_dtype, dout_dtype, out_dtype=None, *
         return _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items)
 
     tm, tk, tn = _search(
-        gen, m, k, n, num_groups, unit, ov,
+        gen,
+        m,
+        k,
+        n,
+        num_groups,
+        unit,
+        ov,
         lambda tm, tk, tn: tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype),
-        traffic)
+        traffic,
+    )
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
     _check_tile("tn", tn, n, 128)
     return TgmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
+
+
+def choose_tiles(
+    *,
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype=None,
+    num_groups: int = 1,
+    generation: Optional[str] = None,
+    override=None,
+    quantised: Optional[bool] = None,
+    gate_layout: Optional[str] = None,
+) -> GmmTiling | TgmmTiling:
+    """The collection's tile contract (tpu_generations.py, "Tile policy"): the tiles of `kind`
+    ("gmm": lhs [m, k] x rhs [G, k, n]; "tgmm": lhs [m, k], dout [m, n], `rhs_dtype` dout's dtype)
+    on `generation`, `override` winning field by field. gmm_tiling / tgmm_tiling under one name."""
+    if kind == "gmm":
+        return gmm_tiling(
+            m,
+            k,
+            n,
+            lhs_dtype,
+            rhs_dtype,
+            out_dtype,
+            num_groups=num_groups,
+            generation=generation,
+            override=override,
+            quantised=quantised,
+            gate_layout=gate_layout,
+        )
+    if kind == "tgmm":
+        if gate_layout is not None or quantised:
+            raise ValueError("tgmm: no gate_layout or quantised weights")
+        return tgmm_tiling(
+            m,
+            k,
+            n,
+            lhs_dtype,
+            rhs_dtype,
+            out_dtype,
+            num_groups=num_groups,
+            generation=generation,
+            override=override,
+        )
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
 
 
 def _check_tile(name: str, tile: int, full: int, multiple: int) -> None:
@@ -395,108 +488,28 @@ def vmem_limit(tiling, need: int, generation: Optional[str] = None) -> int:
 
 
 # -------------------------------------------------------------------------------------------------
-# The static work list
-# -------------------------------------------------------------------------------------------------
-
-
-def work_list_length(m: int, tm: int, num_groups: int) -> int:
-    """Static upper bound on the number of work items. gmm: the non-empty groups touch at most
-    (row tiles they cover) + (non-empty groups - 1) (tile, group) pairs, and the trailing rows past
-    sum(group_sizes) add at most one item per uncovered tile; tgmm: one item per (tile, group) pair
-    plus one per empty group. Both stay within row tiles + groups."""
-    return max(1, -(-m // tm) + num_groups)
-
-
-def work_list(group_sizes, *, m: int, tm: int, buckets: tuple[int, ...], unit: int, kind: str,
-              xp: Any = np):
-    """The schedule: an int32 array [len(FIELDS) * L], field-major (see GMM_FIELDS).
-
-    Items are (row tile, group) pairs in row order, so consecutive items of one row tile share the
-    resident output block (gmm) and consecutive items of one group share the resident weight block.
-    gmm adds a virtual group for the rows past sum(group_sizes): its items only write zeros.
-    tgmm gives every empty group one item without rows, so its weight gradient is written (zero).
-    Works on numpy (cost model) and jax.numpy (inside jit) arrays alike.
-    """
-    assert kind in ("gmm", "tgmm")
-    i32 = xp.int32
-    gs = xp.maximum(xp.asarray(group_sizes).astype(i32), 0)
-    num_groups = gs.shape[0]
-    L = work_list_length(m, tm, num_groups)
-    ends = xp.minimum(xp.cumsum(gs).astype(i32), m)
-    starts = xp.concatenate([xp.zeros((1,), i32), ends[:-1]]) if num_groups else ends
-    if kind == "gmm":
-        total = ends[-1:] if num_groups else xp.zeros((1,), i32)
-        starts = xp.concatenate([starts, total])
-        ends = xp.concatenate([ends, xp.full((1,), m, i32)])
-    sizes = ends - starts
-    t0 = starts // tm
-    t1 = xp.maximum(ends - 1, 0) // tm
-    if kind == "gmm":
-        n_items = xp.where(sizes > 0, t1 - t0 + 1, 0)
-    else:
-        n_items = xp.where(sizes > 0, t1 - t0 + 1, 1)
-    cum = xp.cumsum(n_items).astype(i32)
-    count = cum[-1]
-    ng = n_items.shape[0]
-    j = xp.arange(L, dtype=i32)
-    g = xp.minimum(xp.searchsorted(cum, j, side="right"), ng - 1).astype(i32)
-    tile = (t0[g] + j - (cum[g] - n_items[g])).astype(i32)
-    valid = j < count
-    lo = xp.clip(starts[g] - tile * tm, 0, tm).astype(i32)
-    hi = xp.clip(ends[g] - tile * tm, 0, tm).astype(i32)
-    compute = valid & (g < num_groups) & (hi > lo)
-
-    last_valid = xp.maximum(count - 1, 0)
-    key = tile if kind == "gmm" else g
-    out = xp.where(valid, key, key[last_valid]).astype(i32)
-    prev_key = xp.concatenate([xp.full((1,), -1, i32), key[:-1]])
-    next_key = xp.concatenate([key[1:], xp.full((1,), -1, i32)])
-    first = valid & ((j == 0) | (key != prev_key))
-    last = valid & ((j == count - 1) | (key != next_key))
-
-    # Blocks of items without MXU work stay those of the last computing item: no new DMA.
-    last_compute = xp.maximum.accumulate(xp.where(compute, j, -1))
-    has = last_compute >= 0
-    lc = xp.maximum(last_compute, 0)
-    res_tile = xp.where(has, tile[lc], 0).astype(i32)
-    res_group = xp.where(has, g[lc], 0).astype(i32)
-    kfix = xp.where(compute, 0, 1).astype(i32)
-
-    rc = row_chunk(tm)
-    bucket_arr = xp.asarray(np.asarray(buckets, np.int32))
-    s0 = lo // unit * unit
-    nfull = (hi - s0) // rc
-    tail_lo = s0 + nfull * rc
-    has_tail = compute & (hi > tail_lo)
-    bidx = xp.minimum(xp.searchsorted(bucket_arr, hi - tail_lo, side="left"), len(buckets) - 1)
-    # A tail window that would cross the tile's end slides back; the rows it then shares with
-    # the full chunks are masked out by the kernel.
-    tstart = xp.where(has_tail, xp.minimum(tail_lo, tm - bucket_arr[bidx]), 0).astype(i32)
-    bidx = xp.where(has_tail, bidx, -1).astype(i32)
-    start = xp.where(compute, s0, 0).astype(i32)
-    nfull = xp.where(compute, nfull, 0).astype(i32)
-
-    flags = (xp.where(compute, F_COMPUTE, 0) | xp.where(first, F_FIRST, 0)
-             | xp.where(last, F_LAST, 0) | xp.where(valid, F_VALID, 0)).astype(i32)
-    fields = (out, res_tile, res_group, kfix, lo, hi, start, nfull, tstart, bidx, flags)
-    return xp.concatenate(fields).astype(i32)
-
-
-def _fields(wl: np.ndarray) -> dict[str, np.ndarray]:
-    L = wl.shape[0] // len(GMM_FIELDS)
-    return {name: wl[i * L:(i + 1) * L] for i, name in enumerate(GMM_FIELDS)}
-
-
-# -------------------------------------------------------------------------------------------------
 # Closed-form cost: a replay of the grid, counting a block copy whenever its index changes
 # -------------------------------------------------------------------------------------------------
 
 
-def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_dtype="bfloat16",
-                  rhs_dtype="bfloat16", out_dtype=None, transpose_rhs: bool = False,
-                  tiling=None, generation: Optional[str] = None,
-                  count_work_list: bool = False, padded_edge_blocks: bool = False,
-                  gate_layout: Optional[str] = None, has_bias: bool = False) -> KernelCost:
+def estimate_cost(
+    kind: str,
+    lhs_shape,
+    rhs_or_dout_shape,
+    group_sizes,
+    *,
+    lhs_dtype="bfloat16",
+    rhs_dtype="bfloat16",
+    out_dtype=None,
+    transpose_rhs: bool = False,
+    tiling=None,
+    generation: Optional[str] = None,
+    count_work_list: bool = False,
+    padded_edge_blocks: bool = False,
+    gate_layout: Optional[str] = None,
+    has_bias: bool = False,
+    tiles=None,
+) -> KernelCost:
     """What one call of `kind` ("gmm" or "tgmm") does, for concrete `group_sizes`.
 
     gmm: lhs [M, K], rhs [G, K, N] ([G, N, K] with transpose_rhs); int8/fp8 rhs adds f32 scales
@@ -512,7 +525,13 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
     matmul the kernel issues at its (rows of full chunks and tail window, tk, tn) size.
     gmm with `gate_layout` ("concatenated" / "interleaved"): the gated gate_up gmm, rhs holding
     2I columns, output [M, I]; `has_bias` counts its per-group f32 bias rows [G, 2I].
+    `tiles` (the contract's name, tpu_generations.py "Tile policy") or `tiling`: the tiles or an
+    override dict; None: choose_tiles'.
     """
+    if tiles is not None:
+        if tiling is not None:
+            raise ValueError("estimate_cost: give tiles or tiling, not both")
+        tiling = tiles
     gs = np.asarray(group_sizes, dtype=np.int64)
     lhs_dtype = np.dtype(lhs_dtype)
     rhs_dtype = np.dtype(rhs_dtype)
@@ -530,16 +549,41 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
         if gate_layout is not None:
             n = wn // 2
         quantised = wb == 1
-        t = tiling if isinstance(tiling, GmmTiling) else gmm_tiling(
-            m, k, n, lhs_dtype, rhs_dtype, out_dtype, num_groups=num_groups, generation=generation,
-            override=tiling, gate_layout=gate_layout)
+        t = (
+            tiling
+            if isinstance(tiling, GmmTiling)
+            else gmm_tiling(
+                m,
+                k,
+                n,
+                lhs_dtype,
+                rhs_dtype,
+                out_dtype,
+                num_groups=num_groups,
+                generation=generation,
+                override=tiling,
+                gate_layout=gate_layout,
+            )
+        )
         unit = row_unit(lhs_dtype)
     elif kind == "tgmm":
         _, n = rhs_or_dout_shape
         quantised = False
-        t = tiling if isinstance(tiling, TgmmTiling) else tgmm_tiling(
-            m, k, n, lhs_dtype, rhs_dtype, out_dtype, num_groups=num_groups, generation=generation,
-            override=tiling)
+        t = (
+            tiling
+            if isinstance(tiling, TgmmTiling)
+            else tgmm_tiling(
+                m,
+                k,
+                n,
+                lhs_dtype,
+                rhs_dtype,
+                out_dtype,
+                num_groups=num_groups,
+                generation=generation,
+                override=tiling,
+            )
+        )
         unit = row_unit(lhs_dtype, rhs_dtype)
     else:
         raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
@@ -596,18 +640,35 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
                         hbm += per_row * (int(quantised) + int(has_bias))
                     if prev["out"] is not None and out_idx != prev["out"]:
                         out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
-                    prev = {"lhs": lhs_idx, "rhs": rhs_idx, "scale": (rhs_idx[0], nb),
-                            "out": out_idx}
+                    prev = {
+                        "lhs": lhs_idx,
+                        "rhs": rhs_idx,
+                        "scale": (rhs_idx[0], nb),
+                        "out": out_idx,
+                    }
                     if compute[j]:
                         mxu += 2 * int(bucket_rows[j]) * tk * sum(w for w, _ in wrefs)
         out_bytes += rows(prev["out"][0]) * ncols(prev["out"][1]) * ob
         hbm += out_bytes
         if gate_layout == "interleaved":  # the epilogue's selection matmul, once per out tile
             mxu += nt * (-(-m // tm)) * 2 * tm * 2 * tn * tn
-        min_bytes = (total * k * lb + nonempty * k * wn * wb + m * n * ob
-                     + (nonempty * wn * 4 * (int(quantised) + int(has_bias))))
-        vmem = gmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k=k,
-                              quantised=quantised, gate_layout=gate_layout)
+        min_bytes = (
+            total * k * lb
+            + nonempty * k * wn * wb
+            + m * n * ob
+            + (nonempty * wn * 4 * (int(quantised) + int(has_bias)))
+        )
+        vmem = gmm_vmem_bytes(
+            tm,
+            tk,
+            tn,
+            lhs_dtype,
+            rhs_dtype,
+            out_dtype,
+            k=k,
+            quantised=quantised,
+            gate_layout=gate_layout,
+        )
     else:
         prev = {"lhs": None, "dout": None, "out": None}
         out_bytes = 0
@@ -632,7 +693,7 @@ def estimate_cost(kind: str, lhs_shape, rhs_or_dout_shape, group_sizes, *, lhs_d
         min_bytes = total * k * lb + total * n * wb + num_groups * k * n * ob
         vmem = tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
     if count_work_list:
-        hbm += len(GMM_FIELDS) * L * 4
+        hbm += LAYOUT.nbytes(L)
     return KernelCost(
         useful_flops=2 * total * k * n * (2 if gate_layout is not None else 1),
         mxu_flops=int(mxu),

@@ -1,0 +1,419 @@
+"""The shared contract every kernel family satisfies, one test base run over every family (as
+tokamax runs one test base per op over every implementation).
+
+- Work list (torch-ext/work_list.py): each family's host-side schedule module (`schedule.py`)
+  declares its records as a `RecordLayout` with named fields; its one builder runs with `xp=np`
+  (host) and `xp=jnp` (traced) and both give the same items; records decode by name, the kernel's
+  SMEM addressing (`LAYOUT.read`) agrees with the decoding, and flagged lists use only the shared
+  flag bits with their shared meaning. No family defines flag bits of its own.
+- Tile policy (torch-ext/tpu_generations.py): every family's VMEM budget comes from
+  `vmem_budget_bytes(gen, family)` (changing it there changes the family's default tiles), the
+  default tiles fit it, and `estimate_cost(..., generation=...)` returns the shared KernelCost.
+- Modules: every module of every family imports, and the import graph of each package (its own
+  files plus the vendored torch-ext files) has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_loader
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = sorted(p.parent.name for p in (ROOT / "kernels").glob("*/kernel.py"))
+GENERATIONS = ("v5e", "v6e", "tpu7x")
+
+
+def _package(family):
+    return kernel_loader.load_kernel(family)
+
+
+def _shared(family, name):
+    """The package's vendored copy of a torch-ext module (work_list, tpu_generations)."""
+    return importlib.import_module(f"{_package(family).__name__}.{name}")
+
+
+def test_every_family_is_covered():
+    assert FAMILIES == sorted(ADAPTERS), "add the new family's adapter to this contract test"
+
+
+# -------------------------------------------------------------------------------------------------
+# Per-family adapters: one small problem each, the rest of the file is family-agnostic
+# -------------------------------------------------------------------------------------------------
+
+
+class RaggedDot:
+    out_field = "OUT"
+    gs = np.array([5, 0, 37, 1, 0, 90, 3], np.int32)
+
+    def lists(self, pkg, xp):
+        s = pkg.schedule
+        kw = dict(m=160, tm=32, buckets=s.bucket_sizes(32, 8), unit=8, kind="gmm")
+        return s.work_list(xp.asarray(self.gs), xp=xp, **kw), s.work_list_length(160, 32, 7)
+
+    problem = dict(
+        kind="gmm", m=2048, k=1024, n=2048, lhs_dtype="bfloat16", rhs_dtype="bfloat16", num_groups=8
+    )
+
+    def cost(self, pkg, generation, tiles=None):
+        return pkg.tiling.estimate_cost(
+            "gmm",
+            (2048, 1024),
+            (8, 1024, 2048),
+            np.full(8, 256),
+            generation=generation,
+            tiles=tiles,
+        )
+
+
+class FlashAttention:
+    out_field = "QI"
+    cq = np.array([0, 13, 13, 70, 96], np.int32)
+    ck = np.array([0, 20, 25, 80, 100], np.int32)
+
+    def lists(self, pkg, xp):
+        s = pkg.schedule
+        seqs = tuple(
+            xp.asarray(a)
+            for a in (
+                self.cq[:-1],
+                self.cq[1:],
+                self.ck[:-1],
+                self.ck[1:],
+                self.cq[1:] - self.ck[1:],
+            )
+        )
+        band = s.Band.make(True, 20, -1)
+        bound = s.max_work_items(4, 7, 4)
+        return (
+            s.build_work_list(
+                seqs,
+                7,
+                4,
+                16,
+                32,
+                band,
+                kv_major=False,
+                xp=xp,
+                max_items=None if xp is np else bound,
+            ),
+            bound,
+        )
+
+    problem = dict(
+        q_len=4096,
+        kv_len=4096,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        dtype="bfloat16",
+        causal=True,
+    )
+
+    def cost(self, pkg, generation, tiles=None):
+        return pkg.tiling.estimate_cost(batch=1, generation=generation, tiles=tiles, **self.problem)
+
+
+class PagedAttention:
+    out_field = None  # no flags: first / last of a q block are found by comparing Q_BLOCK
+    q_lens = np.array([1, 1, 30, 0, 9], np.int32)
+    kv_lens = np.array([17, 40, 64, 5, 9], np.int32)
+    kw = dict(
+        block_q=8, num_q_blocks=6, page_size=8, pages_per_block=2, sliding_window=None, causal=True
+    )
+
+    def lists(self, pkg, xp):
+        s = pkg.schedule
+        cu = np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+        bound = s.max_items_bound(
+            num_q_blocks=6, max_num_seqs=5, pages_per_seq=8, pages_per_block=2
+        )
+        work, total = s.build_work_list(
+            xp.asarray(self.kv_lens),
+            xp.asarray(cu),
+            xp.asarray(np.array([5], np.int32)),
+            xp=xp,
+            max_items=None if xp is np else bound,
+            **self.kw,
+        )
+        assert int(total) <= bound
+        return work, bound
+
+    problem = dict(
+        num_tokens=520,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pages_per_seq=64,
+        q_dtype="bfloat16",
+        kv_dtype="bfloat16",
+    )
+
+    def cost(self, pkg, generation, tiles=None):
+        return pkg.tiling.estimate_cost(
+            q_lens=[1] * 8 + [512],
+            kv_lens=[1024] * 8 + [512],
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            page_size=16,
+            pages_per_seq=64,
+            generation=generation,
+            tiles=tiles,
+        )
+
+
+ADAPTERS = {
+    "ragged_dot": RaggedDot(),
+    "flash_attention": FlashAttention(),
+    "paged_attention": PagedAttention(),
+}
+
+
+# -------------------------------------------------------------------------------------------------
+# Work list
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_work_list_records_are_named_and_built_once(family):
+    pkg, wl = _package(family), _shared(family, "work_list")
+    adapter = ADAPTERS[family]
+    layout = pkg.schedule.LAYOUT
+    assert isinstance(layout, wl.RecordLayout) and layout.family == family
+    assert all(f.isidentifier() and f.isupper() for f in layout.fields)
+
+    host, _ = adapter.lists(pkg, np)
+    device, bound = adapter.lists(pkg, jnp)
+    host, device = (np.asarray(a).reshape(layout.n_fields, -1) for a in (host, device))
+    assert host.dtype == device.dtype == np.int32
+    # [n_fields, L]: the traced list padded to a static bound, the host one at most as long
+    assert host.shape[0] == device.shape[0] == layout.n_fields
+    n = host.shape[1]
+    assert device.shape[1] == bound >= n
+    np.testing.assert_array_equal(device[:, :n], host)  # one builder: same items on both sides
+
+    cols = layout.decode(device)
+    assert list(cols) == list(layout.fields)
+    # The kernels' SMEM addressing: flat field-major, field f of item i at f * L + i.
+    flat = device.reshape(-1)
+    assert layout.nbytes(bound) == flat.nbytes
+    for name in layout.fields:
+        got = [int(layout.read(flat, name, i, bound)) for i in range(bound)]
+        assert got == cols[name].tolist()
+    two = np.concatenate([flat, flat[::-1].copy()])  # two lists held together (per batch row)
+    for name in layout.fields:
+        assert [
+            int(layout.read(two, name, i, bound, list_index=1)) for i in range(bound)
+        ] == layout.decode(flat[::-1].copy())[name].tolist()
+
+    if layout.has_flags:
+        wl.check_flagged_list(layout, device, out_field=adapter.out_field)
+        n = int((cols["FLAGS"] != 0).sum())  # the live items (a padded host list: ragged_dot)
+        flags = wl.decode_flags(cols["FLAGS"])
+        assert flags["COMPUTE"].any()
+        assert not flags["VALID"][n:].any()  # padding records carry no flag
+    else:
+        assert family == "paged_attention"
+        # Items past the real ones are empty: no sequence, no pages.
+        assert (cols["SEQ"][n:] == -1).all() and (cols["NUM_PAGES"][n:] == 0).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flag_bits_are_the_shared_ones(family):
+    """Family modules re-use the shared flag constants, and no family file spells a flag bit."""
+    pkg, wl = _package(family), _shared(family, "work_list")
+    for mod in (pkg.kernel, pkg.tiling, pkg.schedule):
+        for name, bit in wl.FLAGS.items():
+            for alias in (name, "F_" + name):
+                if hasattr(mod, alias):
+                    assert getattr(mod, alias) == bit, f"{mod.__name__}.{alias}"
+    flag_names = set(wl.FLAGS) | {"F_" + n for n in wl.FLAGS}
+    for path in sorted((ROOT / "kernels" / family).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            values = (
+                node.value.elts
+                if isinstance(getattr(node, "value", None), ast.Tuple)
+                else [getattr(node, "value", None)]
+            )
+            literal = any(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in values)
+            if isinstance(node, ast.Assign) and literal:  # aliases of the shared names are fine
+                targets = [
+                    t
+                    for tgt in node.targets
+                    for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])
+                ]
+                named = {t.id for t in targets if isinstance(t, ast.Name)} & flag_names
+                assert not named, f"{path.name}:{node.lineno} defines flag bits {named}"
+
+
+def test_record_layout_rejects_mismatched_columns():
+    wl = _shared(FAMILIES[0], "work_list")
+    layout = wl.RecordLayout("toy", ("A", "B"))
+    with pytest.raises(ValueError, match="fields"):
+        layout.stack({"A": np.zeros(3, np.int32)})
+    with pytest.raises(KeyError, match="no field"):
+        layout.index("C")
+    with pytest.raises(ValueError, match="bits outside"):
+        wl.decode_flags(np.array([1, 16]))
+    with pytest.raises(AssertionError, match="padding before"):
+        wl.check_flagged_list(
+            wl.RecordLayout("toy", ("OUT", "FLAGS")),
+            np.array([[0, 0, 0], [wl.VALID, 0, wl.VALID]], np.int32),
+        )
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile policy: the VMEM budget and the cost signature
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vmem_budget_comes_from_tpu_generations(family, monkeypatch):
+    pkg, gens = _package(family), _shared(family, "tpu_generations")
+    adapter = ADAPTERS[family]
+    for name in GENERATIONS:
+        gen = gens.GENERATIONS[name]
+        budget = gens.vmem_budget_bytes(gen, family)
+        assert pkg.tiling.vmem_budget_bytes(gen) == budget
+        assert 0 < budget <= gens.vmem_capacity_bytes(gen) <= gen.vmem_bytes
+    gen = gens.GENERATIONS["v6e"]
+    need = adapter.cost(pkg, "v6e").vmem_bytes
+    assert 0 < need <= gens.vmem_budget_bytes(gen, family)
+    # The family's tile choice reads the shared budget: shrink it there and the default tiles
+    # shrink with it.
+    real = gens.vmem_budget_bytes
+    monkeypatch.setattr(
+        gens, "vmem_budget_bytes", lambda g, fam: need - 1 if fam == family else real(g, fam)
+    )
+    assert adapter.cost(pkg, "v6e").vmem_bytes <= need - 1
+
+
+def test_no_family_sizes_vmem_itself():
+    """Budgets are per generation in one place: no tiling module reads physical VMEM."""
+    for family in FAMILIES:
+        src = (ROOT / "kernels" / family / "tiling.py").read_text()
+        assert ".vmem_bytes" not in src, f"{family}/tiling.py reads gen.vmem_bytes"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_estimate_cost_returns_the_shared_kernel_cost(family):
+    pkg, gens = _package(family), _shared(family, "tpu_generations")
+    costs = [ADAPTERS[family].cost(pkg, g) for g in GENERATIONS]
+    for c in costs:
+        assert isinstance(c, gens.KernelCost)
+        for f in dataclasses.fields(c):
+            assert isinstance(getattr(c, f.name), int) and getattr(c, f.name) >= 0, f.name
+        assert 0 < c.useful_flops <= c.mxu_flops
+        assert 0 < c.min_hbm_bytes <= c.hbm_bytes
+        assert c.grid_steps > 0
+    assert len({dataclasses.astuple(c) for c in costs}) > 1  # the generation is read
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_choose_tiles_and_estimate_cost_signatures(family):
+    """tpu_generations.py "Tile policy": choose_tiles(*, problem, generation=None, override=None)
+    -> frozen tiles with vmem_limit_bytes; estimate_cost(problem, *, tiles=None, generation=None),
+    whose default tiles are choose_tiles'."""
+    pkg, adapter = _package(family), ADAPTERS[family]
+    for fn, names in (
+        (pkg.tiling.choose_tiles, ("generation", "override")),
+        (pkg.tiling.estimate_cost, ("tiles", "generation")),
+    ):
+        params = inspect.signature(fn).parameters
+        for name in names:
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, name)
+            assert params[name].default is None, (fn.__name__, name)
+    for name in GENERATIONS:
+        tiles = pkg.tiling.choose_tiles(generation=name, **adapter.problem)
+        assert dataclasses.is_dataclass(tiles) and hasattr(tiles, "vmem_limit_bytes")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            tiles.vmem_limit_bytes = 1
+        assert pkg.tiling.choose_tiles(generation=name, override=tiles, **adapter.problem) == tiles
+        assert dataclasses.astuple(adapter.cost(pkg, name)) == dataclasses.astuple(
+            adapter.cost(pkg, name, tiles=tiles)
+        )
+
+
+# -------------------------------------------------------------------------------------------------
+# Modules and the import graph
+# -------------------------------------------------------------------------------------------------
+
+
+def _package_sources(family) -> dict[str, Path]:
+    """The modules of the built package: the family's files plus the vendored torch-ext files."""
+    files = {p.stem: p for p in (ROOT / "torch-ext").glob("*.py")}
+    files.update({p.stem: p for p in (ROOT / "kernels" / family).glob("*.py")})
+    return files
+
+
+def import_graph(sources: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (relative imports anywhere in the file, function
+    bodies included: a lazy import still makes a cycle)."""
+    graph = {}
+    for name, path in sources.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in sources and d != "__init__"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]):
+    """One import cycle as a list of modules (first == last), or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    two = {"kernel": {"tiling"}, "tiling": {"kernel"}}  # flash_attention before issue 15
+    assert find_cycle(two) == ["kernel", "tiling", "kernel"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_import_cycles_and_every_module_imports(family):
+    sources = _package_sources(family)
+    graph = import_graph(sources)
+    assert "schedule" in graph, f"{family}: the host-side schedule belongs in schedule.py"
+    assert graph["schedule"] <= {"work_list", "tpu_generations"}, graph["schedule"]
+    cycle = find_cycle(graph)
+    assert cycle is None, f"{family}: import cycle {' -> '.join(cycle)}"
+    pkg = _package(family)
+    for name in sorted(sources):
+        if name != "__init__":
+            importlib.import_module(f"{pkg.__name__}.{name}")
