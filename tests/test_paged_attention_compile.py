@@ -41,27 +41,34 @@ def _compile(generation, page_size, tokens, separate=False, config=None, seqs=SE
     )
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("page_size", [16, 128])
+# Page 128 (the flagship) on every generation; other sizes and the variants below on one
+# generation each in CI, spread over the three (tpu_compile.generation_per_case / one_generation).
+@pytest.mark.parametrize(
+    "generation,page_size",
+    [(g, 128) for g in tpu_compile.TESTED_GENERATIONS] + tpu_compile.generation_per_case([16]),
+)
 def test_decode_batch_compiles(generation, page_size):
     compiled = _compile(generation, page_size, SEQS)
     # Only the kernel's small work-list / q layout temporaries: no copy of the 2 GiB cache.
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize(
+    "generation,page_size",
+    [(g, 128) for g in tpu_compile.TESTED_GENERATIONS]
+    + tpu_compile.generation_per_case([16], start=1),
+)
 def test_mixed_batch_with_prefill_chunk_compiles(generation, page_size):
     compiled = _compile(generation, page_size, 2048 + SEQS - 1)
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("generation", tpu_compile.one_generation(2))
 def test_separate_kv_caches_compile(generation):
     _compile(generation, 32, SEQS, separate=True)
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("generation", tpu_compile.one_generation(0))
 def test_streamed_page_table_compiles(generation):
     """The streamed page-table path forced at the decode batch; on TPU7x also 128 sequences x
     16384-token contexts in 16-token pages (an 8 GiB cache), whose 512 KiB page table is streamed
@@ -106,7 +113,7 @@ def test_default_tiles_fit_vmem_budget(generation):
             assert PA.tpu_generations.vmem_limit_bytes(gen, need) >= need
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("generation", tpu_compile.one_generation(1))
 def test_cache_write_in_place_for_decode(generation):
     """kernel.write_kv (XLA scatter) with the cache donated writes a decode batch's 64 tokens in
     place: no cache-sized temporary, the output aliases the cache."""
@@ -165,11 +172,9 @@ def _compile_token_major(generation, page_size, tokens, *, write, seqs=SEQS, ctx
     )
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
 @pytest.mark.parametrize(
-    "page_size,tokens",
-    [(128, SEQS), (16, 2048 + SEQS - 1)],
-    ids=["decode_page128", "mixed_2111_page16"],
+    "generation,page_size,tokens",
+    tpu_compile.generation_per_case([(128, SEQS), (16, 2048 + SEQS - 1)], start=2),
 )
 def test_token_major_write_and_attention_in_place(generation, page_size, tokens):
     """Token-major caches read natively and the new tokens written by the Pallas writer in the same
@@ -187,7 +192,7 @@ def test_token_major_write_and_attention_in_place(generation, page_size, tokens)
         assert int(shape.split(",")[0]) != pages, f"a cache is copied: bf16[{shape}]"
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
+@pytest.mark.parametrize("generation", tpu_compile.one_generation(1))
 def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
     """The JAX body of the torch flash_attn_with_kvcache op at Llama-3-8B decode (64 x 8192, page
     128): no head-major copy of the caches any more (temporaries far below one 1 GiB cache)."""

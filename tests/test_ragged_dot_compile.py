@@ -79,8 +79,11 @@ def test_compiles_dlhs_and_tgmm(generation, model, projection):
     )
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("model", ["qwen3_30b_a3b_4096tok", "mixtral_8x7b_4096tok"])
+@pytest.mark.parametrize(
+    "generation,model",
+    [(g, "qwen3_30b_a3b_4096tok") for g in tpu_compile.TESTED_GENERATIONS]
+    + tpu_compile.generation_per_case(["mixtral_8x7b_4096tok"], start=1),
+)
 def test_compiles_quantised_forward(generation, model):
     tokens, experts, top_k, projections = MODELS[model]
     qdtype = jnp.float8_e4m3fn if generation == "tpu7x" else jnp.int8
@@ -119,8 +122,11 @@ GATED = {
 }
 
 
-@pytest.mark.parametrize("generation", tpu_compile.TESTED_GENERATIONS)
-@pytest.mark.parametrize("model", list(GATED))
+@pytest.mark.parametrize(
+    "generation,model",
+    [(g, list(GATED)[0]) for g in tpu_compile.TESTED_GENERATIONS]
+    + tpu_compile.generation_per_case(list(GATED)[1:], start=2),
+)
 def test_compiles_gated_gate_up(generation, model):
     m, k, i, experts, act, layout, transpose_rhs, with_bias = GATED[model]
     rhs_shape = (experts, 2 * i, k) if transpose_rhs else (experts, k, 2 * i)

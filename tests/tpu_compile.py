@@ -74,10 +74,17 @@ def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
 LONG_FORM = os.environ.get("HYPOTHESIS_PROFILE") == "sweep"
 
 
-def generation_per_case(cases) -> list:
+def generation_per_case(cases, start: int = 0) -> list:
     """(generation, *case) parameter tuples: the full product in the long form; in CI, case i on
-    generation i mod 3 (v5e, v6e, TPU7x, v5e, ...)."""
+    generation (start + i) mod 3 (v5e, v6e, TPU7x, v5e, ...)."""
     cases = [c if isinstance(c, tuple) else (c,) for c in cases]
     if LONG_FORM:
         return [(g, *c) for c in cases for g in TESTED_GENERATIONS]
-    return [(TESTED_GENERATIONS[i % len(TESTED_GENERATIONS)], *c) for i, c in enumerate(cases)]
+    n = len(TESTED_GENERATIONS)
+    return [(TESTED_GENERATIONS[(start + i) % n], *c) for i, c in enumerate(cases)]
+
+
+def one_generation(start: int) -> list:
+    """The generations a variant compiles for: one in CI (`start` picks which, so the variants of
+    a family spread over all three), every one in the long form."""
+    return [g for (g,) in generation_per_case([()], start)]
