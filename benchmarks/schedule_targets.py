@@ -45,6 +45,17 @@ def compile_row(generation: str, impl: str, shape: str):
 
     import tpu_compile
 
+    with jax.default_device(tpu_compile.tpu_device(generation)):
+        return lower_row(generation, impl, shape).compile()
+
+
+def lower_row(generation: str, impl: str, shape: str):
+    """The benchmark row (impl, shape) lowered for `generation` (the program `compile_row`
+    compiles); returns the Lowered object."""
+    import jax
+
+    import tpu_compile
+
     kind = _kind_of(shape)
     s = _shape(kind, shape)
     if impl.startswith("ours"):
@@ -56,7 +67,7 @@ def compile_row(generation: str, impl: str, shape: str):
 
         fn, avals = registry.anchor(kind, impl).compile_args(s)
     with jax.default_device(tpu_compile.tpu_device(generation)):
-        return tpu_compile.compile_for(generation, fn, *avals)
+        return tpu_compile.lower_for(generation, fn, *avals)
 
 
 def plain_matmul(

@@ -288,3 +288,63 @@ def test_schedule_cache_key_covers_exactly_the_kernel_sources():
         assert {"kernel.py", "tiling.py", "tpu_generations.py"} <= names, (kind, names)
         # ... but not the torch ops or the Transformers glue: editing them keeps the cache.
         assert not names & {"ops.py", "integration.py", "jax_bridge.py"}, (kind, names)
+
+
+_FINGERPRINT_KERNEL = """
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def body(x_ref, o_ref):
+    o_ref[...] = jnp.exp(x_ref[...]) * SCALE
+
+
+def call(x):
+    return pl.pallas_call(
+        body,
+        grid=(x.shape[0] // BLOCK,),
+        in_specs=[pl.BlockSpec((BLOCK, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((BLOCK, 128), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+"""
+
+
+def _fingerprint(tmp_path, name, source, generation="v6e"):
+    """Lower a pallas_call written in its own file (so its source locations are real) for a
+    TPU generation and fingerprint the lowered program."""
+    import importlib.util
+
+    import jax.numpy as jnp
+
+    import schedule_rows
+    import tpu_compile
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lowered = tpu_compile.lower_for(generation, module.call, ((512, 128), jnp.float32))
+    # the Mosaic body is found (else its source locations would go into the hash unnoticed)
+    assert schedule_rows._MOSAIC_BODY.search(lowered.as_text(debug_info=False))
+    return schedule_rows.lowered_fingerprint(lowered)
+
+
+@pytest.mark.skipif(not __import__("tpu_compile").libtpu_available(), reason="needs libtpu")
+@pytest.mark.timeout(120)
+def test_program_fingerprint_ignores_source_locations_only(tmp_path):
+    """The schedule cache reuses a compile when the lowered program is the same: comments and
+    moved lines keep the fingerprint, any change to what the kernel computes or how it is tiled
+    changes it."""
+    base = "BLOCK, SCALE = 128, 2.0\n" + _FINGERPRINT_KERNEL
+    moved = "# a comment\n\n\nBLOCK, SCALE = 128, 2.0\n\n" + _FINGERPRINT_KERNEL.replace(
+        "def body", "# why\ndef body"
+    )
+    retiled = "BLOCK, SCALE = 256, 2.0\n" + _FINGERPRINT_KERNEL
+    recomputed = "BLOCK, SCALE = 128, 3.0\n" + _FINGERPRINT_KERNEL
+    fp = _fingerprint(tmp_path, "base", base)
+    assert _fingerprint(tmp_path, "moved", moved) == fp
+    assert _fingerprint(tmp_path, "retiled", retiled) != fp
+    assert _fingerprint(tmp_path, "recomputed", recomputed) != fp

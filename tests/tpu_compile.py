@@ -50,6 +50,12 @@ def tpu_aval(shape, dtype, generation: str):
 def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
     """Compile `fn(*args, **kwargs)` for `generation`; array arguments are (shape, dtype) pairs or
     ShapeDtypeStructs and become avals on that generation's device. Returns the Compiled object."""
+    return lower_for(generation, fn, *args, static_argnames=static_argnames, **kwargs).compile()
+
+
+def lower_for(generation: str, fn, *args, static_argnames=(), **kwargs):
+    """`compile_for` up to the lowered program (what the compiler is handed; seconds, no
+    compile). Returns the Lowered object."""
     import jax
 
     def to_aval(a):
@@ -63,7 +69,7 @@ def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
     statics = {k: v for k, v in kwargs.items() if k in static_argnames}
     arrays = {k: to_aval(v) for k, v in kwargs.items() if k not in static_argnames}
     jitted = jax.jit(functools.partial(fn, **statics))
-    return jitted.trace(*args, **arrays).lower().compile()
+    return jitted.trace(*args, **arrays).lower()
 
 
 # CI (two cores) compiles each kernel at its production shapes for every generation, and the
