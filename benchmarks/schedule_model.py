@@ -2,19 +2,19 @@
 
 A Mosaic kernel is a loop over grid steps (the grid loop) holding straight-line code, predicated
 regions (`pl.when` bodies, the two sides of a branch) and the kernel's own rolled loops. A call's
-time is what its grid steps execute:
+time is what its grid steps execute, each step timed by one rule (`Machine`):
 
     scheduled = prologue/epilogue bundles / clock
-              + sum over step kinds: count x max(bundles one such step executes / clock,
-                                                 HBM bytes one such step moves / bandwidth)
-              + XLA ops around the kernel (their bundles / clock, once each)
+              + sum over steps: max(bundles the step executes / clock,
+                                    HBM bytes it moves / bandwidth,
+                                    MXU FLOPs it issues / MXU peak) + fixed step overhead
+              + XLA ops around the kernel (reported beside it)
 
-The bundles a step executes are the grid loop's skeleton (its own bundles outside every
-top-level predicated region), the predicated regions that kind of step takes, and each inner
-loop's body bundles times its trip count. Which regions a step takes and how many iterations its
-loops run is the one kernel-specific part (`StepKind`): it comes from the host-side work lists
-our kernels build, or from an anchor's own schedule metadata (splash's mask blocks, megablox's
-group metadata).
+What a step executes comes from the compiled schedule (`work_model_inputs`: the grid loop, its
+hot loop, its alternative MXU paths) and how many steps of each kind run from the kernel's own
+work list (`scheduled_from_work`), or, for tokamax's kernels timed on real TPUs, from their
+schedule metadata (benchmarks/validate_schedule.py, which applies the same `Machine` rule per
+step).
 
 The DMA term overlaps with compute per step (double buffering hides one behind the other); a
 step whose bytes take longer than its bundles is memory-bound. One bundle per cycle is a lower
@@ -32,121 +32,46 @@ from collections.abc import Sequence
 from llo_schedule import Loop, Schedule
 
 
-@dataclasses.dataclass
-class StepKind:
-    """A kind of grid step and how many of them a call runs.
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What turns a grid step's work into time, the one rule every scheduled time here uses (our
+    rows, the anchors' rows and the validation against tokamax's TPU timings): a step costs
 
-    regions: indices into `Schedule.regions()` (the grid loop's top-level predicated regions, in
-        program order) that this kind of step executes, nested regions included; None = all of
-        them (a step that takes every conditional body: an upper bound).
-    nested: for a taken region whose own nested regions are not all taken, {region index:
-        indices of its children taken} (default: all children).
-    loop_trips: iterations per step of the grid loop's inner loops, by index in program order
-        (`Schedule.grid_loop().children`); a loop not listed runs once.
-    dma_bytes: HBM bytes one such step moves (reads + writes).
-    """
+        max(bundles / clock, HBM bytes / bandwidth, MXU FLOPs / MXU peak) + step overhead
 
-    name: str
-    count: float
-    regions: Sequence[int] | None = None
-    nested: dict[int, Sequence[int]] = dataclasses.field(default_factory=dict)
-    loop_trips: dict[int, float] = dataclasses.field(default_factory=dict)
-    dma_bytes: float = 0.0
+    (DMA overlaps compute by double buffering; the MXU floor matters where a pushed tile takes
+    more cycles than its bundles, as on TPU7x). Summing the work of many steps before the max
+    (`work_seconds` of the totals) times them as one average step: exact when the steps are
+    alike, an optimistic bound when memory- and compute-bound steps alternate."""
 
+    clock_hz: float
+    hbm_bytes_per_s: float
+    mxu_flops_per_s: float
+    step_overhead_s: float
 
-@dataclasses.dataclass
-class ScheduledTime:
-    seconds: float
-    compute_seconds: float  # sum of the steps' bundle times (no overlap)
-    dma_seconds: float  # sum of the steps' DMA times
-    fixed_seconds: float  # prologue/epilogue and XLA ops around the kernel
-    per_kind: dict[str, dict]
-    bound: str  # "DMA" when most of the time is memory-bound steps, else the hot loop's unit
+    @classmethod
+    def of(cls, generation, clock_hz=None, step_overhead_s=None, cores: int = 1) -> Machine:
+        """`generation` (a tpu_generations.TpuGeneration) as seen by one of `cores` cores that
+        share its HBM and MXU peak; `clock_hz` / `step_overhead_s` override its figures."""
+        return cls(
+            clock_hz=clock_hz or generation.clock_hz,
+            hbm_bytes_per_s=generation.hbm_bytes_per_s / cores,
+            mxu_flops_per_s=generation.bf16_flops / cores,
+            step_overhead_s=(
+                generation.step_overhead_s if step_overhead_s is None else step_overhead_s
+            ),
+        )
 
-    def as_dict(self) -> dict:
-        return {
-            "scheduled_us": round(self.seconds * 1e6, 3),
-            "compute_us": round(self.compute_seconds * 1e6, 3),
-            "dma_us": round(self.dma_seconds * 1e6, 3),
-            "fixed_us": round(self.fixed_seconds * 1e6, 3),
-            "bound": self.bound,
-            "per_kind": self.per_kind,
-        }
+    def work_seconds(self, bundles: float, dma_bytes: float = 0.0, mxu_flops: float = 0.0) -> float:
+        """The step rule without the fixed overhead."""
+        return max(
+            bundles / self.clock_hz,
+            dma_bytes / self.hbm_bytes_per_s,
+            mxu_flops / self.mxu_flops_per_s,
+        )
 
-
-def xla_seconds(xla: Sequence[Schedule], clock_hz: float, hbm_bytes_per_s: float) -> float:
-    """XLA's own ops around a kernel (work-list builders, pads, casts): each at least its bundles
-    once and at least its HBM operands' bytes (their loops' trip counts are not in the dump)."""
-    return sum(max(len(x.bundles) / clock_hz, x.hbm_operand_bytes / hbm_bytes_per_s) for x in xla)
-
-
-def step_bundles(sched: Schedule, kind: StepKind) -> float:
-    """Bundles one step of `kind` executes."""
-    grid = sched.grid_loop()
-    if grid is None:  # a one-step kernel: the whole program
-        return float(len(sched.bundles))
-    regions = sched.regions(grid)
-    children = grid.children
-    taken = set(range(len(regions))) if kind.regions is None else set(kind.regions)
-    # Start from the whole grid-loop body, take out the regions not executed, then account the
-    # inner loops: their body counts once in the static bundles, so add (trips - 1) x body, and
-    # loops inside skipped regions run zero times.
-    total = float(grid.bundles)
-    skipped_ranges = []
-    for i, r in enumerate(regions):
-        if i not in taken:
-            total -= r.bundles
-            skipped_ranges.append((r.start, r.end))
-            continue
-        kids = kind.nested.get(i)
-        for j, c in enumerate(r.children):
-            if kids is not None and j not in kids:
-                total -= c.bundles
-                skipped_ranges.append((c.start, c.end))
-    for j, lp in enumerate(children):
-        if any(a <= lp.start and lp.end <= b for a, b in skipped_ranges):
-            continue  # already taken out with its region
-        trips = kind.loop_trips.get(j, 1.0)
-        total += (trips - 1.0) * lp.bundles
-    return max(total, 0.0)
-
-
-def scheduled_time(
-    sched: Schedule,
-    kinds: Sequence[StepKind],
-    clock_hz: float,
-    hbm_bytes_per_s: float,
-    xla: Sequence[Schedule] = (),
-    step_overhead_s: float = 0.0,
-) -> ScheduledTime:
-    """Scheduled time from explicit step kinds (the anchors' own schedule metadata, or a work
-    list walked on the host): per step max(bundles / clock, DMA bytes / bandwidth) plus the fixed
-    per-step cost, plus the bundles outside the grid loop and XLA's ops around the kernel."""
-    grid = sched.grid_loop()
-    outside = len(sched.bundles) - (grid.bundles if grid else len(sched.bundles))
-    fixed = outside / clock_hz + xla_seconds(xla, clock_hz, hbm_bytes_per_s)
-    compute = dma = total = 0.0
-    per_kind = {}
-    mem_bound_time = 0.0
-    for k in kinds:
-        b = step_bundles(sched, k)
-        t_c, t_d = b / clock_hz, k.dma_bytes / hbm_bytes_per_s
-        step = max(t_c, t_d) + step_overhead_s
-        compute += k.count * t_c
-        dma += k.count * t_d
-        total += k.count * step
-        if t_d > t_c:
-            mem_bound_time += k.count * step
-        per_kind[k.name] = {
-            "count": k.count,
-            "bundles_per_step": round(b, 1),
-            "dma_bytes_per_step": k.dma_bytes,
-            "bound": "DMA" if t_d > t_c else "bundles",
-        }
-    hot = sched.hot_loop()
-    unit = sched.loop_segment(hot, own=True).bound() if hot else "VALU"
-    bound = "DMA" if mem_bound_time > 0.5 * total else unit
-    return ScheduledTime(total + fixed, compute, dma, fixed, per_kind, bound)
+    def step_seconds(self, bundles: float, dma_bytes: float = 0.0, mxu_flops: float = 0.0) -> float:
+        return self.work_seconds(bundles, dma_bytes, mxu_flops) + self.step_overhead_s
 
 
 def _mxu_branches(sched: Schedule, regions) -> list:
@@ -255,7 +180,8 @@ def scheduled_from_work(
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
-    clock, bw = generation.clock_hz, generation.hbm_bytes_per_s
+    machine = Machine.of(generation)
+    clock = machine.clock_hz
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
@@ -285,17 +211,19 @@ def scheduled_from_work(
             + iterations * model["hot_bundles"]
             + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
         )
+    # The call's steps pooled into one (Machine's rule on the totals) plus each step's overhead:
+    # per-step work is not known where the trip counts come from a work list.
     t_b = bundles / clock
-    t_mxu = mxu_flops / generation.bf16_flops
+    t_mxu = machine.work_seconds(0.0, 0.0, mxu_flops)
     t_c = max(t_b, t_mxu)
-    t_d = hbm_bytes / bw
-    t_steps = grid_steps * generation.step_overhead_s
+    t_d = machine.work_seconds(0.0, hbm_bytes)
+    t_steps = grid_steps * machine.step_overhead_s
     # XLA's ops around the kernel are reported beside the kernel's time, not in it: their HBM
     # operands' bytes overcount ops that touch part of an operand (a batch slice of a whole
     # array), so `with_xla_us` is an upper bound.
-    xla = sum(max(b / clock, byt / bw) for b, byt in model["xla"])
+    xla = sum(machine.work_seconds(b, byt) for b, byt in model["xla"])
     fixed = model["outside_bundles"] / clock
-    total = max(t_c, t_d) + t_steps + fixed
+    total = machine.work_seconds(bundles, hbm_bytes, mxu_flops) + t_steps + fixed
     return {
         "scheduled_us": round(total * 1e6, 3),
         "with_xla_us": round((total + xla) * 1e6, 3),

@@ -642,6 +642,22 @@ def _gen(name: str):
     return GENERATIONS[name]
 
 
+def _machine(gen, p: ModelParams, clock_hz: float, hbm_share: int = 1, mxu_share: int = 1):
+    """The one step-time rule of the row model (schedule_model.Machine), at this fit's clock and
+    step overhead, for a kernel that gets 1/hbm_share of the chip's HBM bandwidth and
+    1/mxu_share of its MXU peak."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from schedule_model import Machine
+
+    return Machine(
+        clock_hz=clock_hz,
+        hbm_bytes_per_s=gen.hbm_bytes_per_s / hbm_share,
+        mxu_flops_per_s=gen.bf16_flops / mxu_share,
+        step_overhead_s=p.step_s(gen),
+    )
+
+
 def split_bodies(struct: dict) -> tuple[list[int], list[tuple[int, int]], int]:
     """(sizes of the grid step's alternative bodies in program order, the small regions,
     bundles of the step outside the bodies). A body is a predicated region holding >= 15% of the
@@ -685,16 +701,18 @@ def predict_attention(row: AttentionRow, struct: dict, p: ModelParams) -> dict:
     kv_steps = row.t // bkv
     kv_bytes = bkv * (row.D + row.Dv) * 2
     row_bytes = bq * (row.D + row.Dv) * 2 + (bq * 128 * 4 * 2 if row.residuals else 0)
-    bw = g.hbm_bytes_per_s / cores  # both cores of a v5p share the chip's HBM
+    # both cores of a v5p share the chip's HBM and its MXU peak
+    machine = _machine(g, p, clock, hbm_share=cores, mxu_share=cores)
     flops_per_step = 2 * bq * bkv * (row.D + row.Dv)
-    mxu_s = flops_per_step / (g.bf16_flops / (cores if row.gen == "v5p" else 1))
+    mxu_s = machine.work_seconds(0.0, 0.0, flops_per_step)
+    bw = machine.hbm_bytes_per_s
     rows = trips["rows"]
     steps_per_row = trips["steps"] / rows
     dma_step = (
         kv_bytes if (kv_steps > 1 or rows == 1) else kv_bytes / rows
     ) + row_bytes / steps_per_row
-    t_full = max((common + unmasked) / clock, dma_step / bw, mxu_s) + p.step_s(g)
-    t_part = max((common + masked) / clock, dma_step / bw, mxu_s) + p.step_s(g)
+    t_full = machine.step_seconds(common + unmasked, dma_step, flops_per_step)
+    t_part = machine.step_seconds(common + masked, dma_step, flops_per_step)
     per_head = trips["full"] * t_full + trips["partial"] * t_part + rows * (init + end) / clock
     kernel_s = heads_per_core * per_head + struct["outside_loop"] / clock
     xla_s = sum(op["bytes"] for op in struct["xla_ops"]) / g.hbm_bytes_per_s
@@ -744,10 +762,12 @@ def predict_ragged(row: RaggedRow, struct: dict, p: ModelParams) -> dict:
     sizes, _small, rest = split_bodies(struct)
     lo_body = min(sizes) if sizes else 0
     hi_body = max(sizes) if sizes else 0
-    bw = g.hbm_bytes_per_s
     # tokamax's gmm runs on one TensorCore of a v5p (its published v5p rates never pass one core's
-    # 229 TF/s): half the chip's peak
-    mxu_s = 2 * tm * tk * tn / (g.bf16_flops / g.cores_per_device)
+    # 229 TF/s): half the chip's peak, all of its HBM
+    machine = _machine(g, p, clock, mxu_share=g.cores_per_device)
+    bw = machine.hbm_bytes_per_s
+    flops_per_step = 2 * tm * tk * tn
+    mxu_s = machine.work_seconds(0.0, 0.0, flops_per_step)
     total_steps = 0
     kernel_s = 0.0
     if row.kind != "drhs":
@@ -767,7 +787,7 @@ def predict_ragged(row: RaggedRow, struct: dict, p: ModelParams) -> dict:
                 if ki == tiles_k - 1 and nxt != tile:
                     dma += tm * tn * 2
                 body = hi_body if ki == tiles_k - 1 else lo_body
-                t += max((rest + body) / clock, dma / bw, mxu_s) + p.step_s(g)
+                t += machine.step_seconds(rest + body, dma, flops_per_step)
         kernel_s = t * tiles_n
         total_steps = len(visits) * tiles_k * tiles_n
     else:
@@ -780,7 +800,7 @@ def predict_ragged(row: RaggedRow, struct: dict, p: ModelParams) -> dict:
             last = vi + 1 == len(visits) or visits[vi + 1][1] != grp
             dma = tm * tk * 2 + tm * tn * 2 + (tk * tn * 2 if last else 0)
             body = hi_body if (first or last) else lo_body
-            t += max((rest + body) / clock, dma / bw, mxu_s) + p.step_s(g)
+            t += machine.step_seconds(rest + body, dma, flops_per_step)
         kernel_s = t * tiles_n * tiles_k
         total_steps = len(visits) * tiles_k * tiles_n
     kernel_s += struct["outside_loop"] / clock

@@ -81,22 +81,33 @@ def test_parser_bundles_loops_and_slots():
     assert region.target_region == 7
 
 
-def test_step_bundles_follow_regions_and_trips():
+def test_one_step_rule_bounds_each_step_by_its_fullest_unit():
+    """schedule_model.Machine: a step costs the largest of its bundles, DMA and MXU floor, plus
+    the fixed step overhead; the rows, the anchors and the validation all use this rule."""
+    m = M.Machine(clock_hz=1e9, hbm_bytes_per_s=2e9, mxu_flops_per_s=4e9, step_overhead_s=1e-9)
+    assert m.step_seconds(100) == pytest.approx(101e-9)  # bundles
+    assert m.step_seconds(100, dma_bytes=1000) == pytest.approx(501e-9)  # DMA-bound
+    assert m.step_seconds(100, 1000, mxu_flops=4000) == pytest.approx(1001e-9)  # MXU floor
+
+    class Gen:
+        clock_hz, hbm_bytes_per_s, bf16_flops, step_overhead_s = 1e9, 2e9, 4e9, 1e-9
+
+    # two cores sharing a chip each get half its bandwidth and peak
+    assert M.Machine.of(Gen, cores=2) == M.Machine(1e9, 1e9, 2e9, 1e-9)
+    # scheduled_from_work applies the rule to the call's pooled work, plus each step's overhead
     s = _synthetic()
-    every = M.StepKind("all", 1)
-    assert M.step_bundles(s, every) == 8
-    # The inner loop runs 5 times: 4 more iterations of its 2 bundles.
-    assert M.step_bundles(s, M.StepKind("trips", 1, loop_trips={0: 5})) == 8 + 4 * 2
-    # Skipping the region skips the loop inside it too, whatever its trip count.
-    assert M.step_bundles(s, M.StepKind("skip", 1, regions=[], loop_trips={0: 5})) == 4
-    t = M.scheduled_time(
-        s, [M.StepKind("a", 10), M.StepKind("b", 5, regions=[])], clock_hz=1e9, hbm_bytes_per_s=1e9
+    model = M.work_model_inputs(s)
+    t = M.scheduled_from_work(
+        model, mxu_flops=0.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, hot_iterations=10
     )
-    outside = 11 - 8
-    assert t.seconds == pytest.approx((10 * 8 + 5 * 4 + outside) * 1e-9)
-    # A step whose bytes take longer than its bundles is DMA-bound.
-    t = M.scheduled_time(s, [M.StepKind("mem", 10, dma_bytes=1000)], 1e9, 1e9)
-    assert t.seconds == pytest.approx((10 * 1000 + outside) * 1e-9) and t.bound == "DMA"
+    want = 10 * model["per_step_overhead_bundles"] + 10 * model["hot_bundles"]
+    want += model["outside_bundles"]
+    assert t["scheduled_us"] == pytest.approx((want + 10) * 1e-3)
+    dma = M.scheduled_from_work(
+        model, mxu_flops=0.0, grid_steps=10, hbm_bytes=1e6, generation=Gen, hot_iterations=10
+    )
+    assert dma["bound"] == "DMA"
+    assert dma["scheduled_us"] == pytest.approx(500 + (10 + model["outside_bundles"]) * 1e-3)
 
 
 # A grid step that chooses one of two MXU paths inside a `pl.when(valid)` wrapper, the way the
@@ -186,12 +197,22 @@ def test_scheduled_time_linear_in_grid_steps():
     a, b = _matmul(m=1024), _matmul(m=4096)
     # The grid step's code does not depend on how many steps run...
     assert abs(a.grid_loop().bundles - b.grid_loop().bundles) <= 0.02 * a.grid_loop().bundles
-    gen_clock, bw = 1.75e9, 1.638e12
+    from tpu_generations import GENERATIONS
+
     steps_a, steps_b = (1024 // 512) * 2, (4096 // 512) * 2
-    ta = M.scheduled_time(a, [M.StepKind("step", steps_a)], gen_clock, bw)
-    tb = M.scheduled_time(b, [M.StepKind("step", steps_b)], gen_clock, bw)
+    ta, tb = (
+        M.scheduled_from_work(
+            M.work_model_inputs(s),
+            mxu_flops=0.0,
+            grid_steps=n,
+            hbm_bytes=0.0,
+            generation=GENERATIONS["v6e"],
+            hot_iterations=n,
+        )
+        for s, n in ((a, steps_a), (b, steps_b))
+    )
     # ...so the scheduled time grows with them (4x the steps, ~4x the time).
-    assert 3.8 <= tb.compute_seconds / ta.compute_seconds <= 4.2
+    assert 3.8 <= tb["bundle_us"] / ta["bundle_us"] <= 4.2
 
 
 @pytest.mark.compile
