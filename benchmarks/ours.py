@@ -71,8 +71,16 @@ class RaggedDot(Adapter):
         return self.mod.tiling.GmmTiling(tm=16, tk=128, tn=128)
 
     def cost(self, shape, generation, tiles=None):
+        # The kernel's own choice: gmm picks its tiles knowing the number of groups.
         t = tiles or self.mod.tiling.gmm_tiling(
-            shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype, generation=generation
+            shape.m,
+            shape.k,
+            shape.n,
+            shape.dtype,
+            shape.dtype,
+            shape.dtype,
+            num_groups=shape.experts,
+            generation=generation,
         )
         c = self.mod.tiling.estimate_cost(
             "gmm",
@@ -120,34 +128,62 @@ class RaggedDot(Adapter):
     def schedule_trips(self, shape, generation):
         """Exact trip counts from the kernel's own work list: full row windows (the hot loop's
         iterations; one per column chunk when a weight block is cut along N) and tail windows
-        (one bucket region each), over every (N tile, K tile)."""
-        T, K = self.mod.tiling, self.mod.kernel
+        (one bucket region each), over every (N tile, K tile). When the weight block is cut into
+        column chunks, a tail's bucket region holds one chunk's matmul inside a loop over the
+        chunks: it runs `chunks` times per tail, so each tail counts `chunks` region runs (the
+        region's few bundles around that loop are then counted `chunks` times: a slight
+        overcount)."""
+        T = self.mod.tiling
         t = T.gmm_tiling(
-            shape.m, shape.k, shape.n, shape.dtype, shape.dtype, shape.dtype, generation=generation
+            shape.m,
+            shape.k,
+            shape.n,
+            shape.dtype,
+            shape.dtype,
+            shape.dtype,
+            num_groups=shape.experts,
+            generation=generation,
         )
-        unit = T.row_unit(shape.dtype)
-        wl = T._fields(
-            T.work_list(
-                np.asarray(shape.group_sizes, np.int32),
-                m=shape.m,
-                tm=t.tm,
-                buckets=T.bucket_sizes(t.tm, unit),
-                unit=unit,
-                kind="gmm",
-            )
+        return gmm_trips(self.mod, shape.group_sizes, shape.m, shape.k, shape.n, shape.dtype, t)
+
+
+def gmm_trips(mod, group_sizes, m, k, n, dtype, t) -> dict:
+    """`RaggedDot.schedule_trips` for any gmm call: the ragged_dot package `mod`, the call's
+    group sizes, problem size and dtype, and its tiling `t`."""
+    T, K = mod.tiling, mod.kernel
+    unit = T.row_unit(dtype)
+    wl = T._fields(
+        T.work_list(
+            np.asarray(group_sizes, np.int32),
+            m=m,
+            tm=t.tm,
+            buckets=T.bucket_sizes(t.tm, unit),
+            unit=unit,
+            kind="gmm",
         )
-        compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
-        tiles = -(-shape.n // t.tn) * -(-shape.k // t.tk)
-        chunks = t.tn // K._n_chunk(t.tk, t.tn)
-        return {
-            "hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
-            "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles),
-        }
+    )
+    compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
+    tiles = -(-n // t.tn) * -(-k // t.tk)
+    chunks = t.tn // K._n_chunk(t.tk, t.tn)
+    return {
+        "hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
+        "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles * chunks),
+    }
 
 
 def _window_size(shape):
     # flash-attn convention (left, right); a window of w keys = the query's own key + w-1 before.
     return (shape.window - 1, 0) if shape.window is not None else (-1, -1)
+
+
+def flash_branch_pushes(cost) -> dict | None:
+    """`branch_pushes` of a flash forward call from its KernelCost: its unmasked tiles' MXU
+    pushes (interior path) and its masked tiles' (edge walk)."""
+    if not cost.compute_tiles:
+        return None
+    per_tile = cost.mxu_pushes / cost.compute_tiles
+    unmasked = cost.compute_tiles - cost.masked_tiles
+    return {"branch_pushes": [unmasked * per_tile, cost.masked_tiles * per_tile]}
 
 
 class FlashAttention(Adapter):
@@ -216,6 +252,15 @@ class FlashAttention(Adapter):
         )
         return 4.0 * groups * q_compute * block_kv * shape.head_dim * (unroll if small else 1)
 
+    def schedule_trips(self, shape, generation):
+        """MXU pushes the call runs on each of the forward step's two paths (kernel.py: the
+        interior path, for items the band covers whole, then the edge walk): unmasked tiles at
+        the interior path's bundles per push, masked tiles at the edge walk's (its masked
+        groups, remainders and the q-tile loop around them, averaged over its static pushes).
+        Unmasked tiles of edge items also run in the walk, at nearly the interior's rate (its
+        mask-free group loop)."""
+        return flash_branch_pushes(self.cost(shape, generation)[0])
+
     def _fn(self, shape, generation, tiles=None):
         import jax.numpy as jnp
 
@@ -277,8 +322,10 @@ class PagedAttention(Adapter):
             page_size=shape.page_size,
             pages_per_seq=shape.pages_per_seq,
             q_dtype=shape.dtype,
-            kv_dtype=shape.dtype,
+            kv_dtype=shape.cache_dtype,
             sliding_window=shape.window,
+            token_major=shape.layout == "token_major",
+            token_scales=shape.kv_dtype is not None,
             generation=generation,
             config=tiles,
         )
@@ -298,7 +345,7 @@ class PagedAttention(Adapter):
             page_size=shape.page_size,
             pages_per_seq=shape.pages_per_seq,
             q_dtype=shape.dtype,
-            kv_dtype=shape.dtype,
+            kv_dtype=shape.cache_dtype,
             generation=generation,
             config=tiles,
         )
@@ -332,27 +379,39 @@ class PagedAttention(Adapter):
         for b, s, _, npages in items:
             if npages == 0:
                 continue
-            r_lo = (max(cu[s], b * bq) - b * bq) * group
-            r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
-            runs[0 if narrow < rows and r_lo // narrow == (r_hi - 1) // narrow else 1] += 1
+            runs[
+                T.compute_path(
+                    int(cu[s]), int(cu[s + 1]), b, block_q=bq, group=group, narrow=narrow
+                )
+            ] += 1
         if narrow >= rows:  # no narrow path compiled: every busy step runs the one path
             return {"hot_iterations": float(runs[1])}
         return {"branch_runs": [float(r) for r in runs]}
 
     def _fn(self, shape, generation, tiles=None):
-        rpa = self.mod.kernel.ragged_paged_attention
+        kern = self.mod.kernel
+        opts = dict(sliding_window=shape.window, config=tiles, generation=generation)
+        if shape.layout == "token_major":
+            if shape.kv_dtype is not None:
+
+                def fn(q, k, v, kv_lens, page_table, cu_q_lens, num_seqs, k_scale, v_scale):
+                    return kern.paged_attention_token_major(
+                        q, k, v, kv_lens, page_table, cu_q_lens, num_seqs,
+                        k_scale=k_scale, v_scale=v_scale, **opts,
+                    )  # fmt: skip
+
+                return fn
+
+            def fn(q, k, v, kv_lens, page_table, cu_q_lens, num_seqs):
+                return kern.paged_attention_token_major(
+                    q, k, v, kv_lens, page_table, cu_q_lens, num_seqs, **opts
+                )
+
+            return fn
 
         def fn(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs):
-            return rpa(
-                q,
-                kv_pages,
-                kv_lens,
-                page_table,
-                cu_q_lens,
-                num_seqs,
-                sliding_window=shape.window,
-                config=tiles,
-                generation=generation,
+            return kern.ragged_paged_attention(
+                q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, **opts
             )
 
         return fn
@@ -362,13 +421,27 @@ class PagedAttention(Adapter):
 
         n = len(shape.seqs)
         dt = jnp.dtype(shape.dtype)
-        return [
-            ((shape.q_tokens, shape.q_heads, shape.head_dim), dt),
-            ((n * shape.pages_per_seq, 2 * shape.kv_heads, shape.page_size, shape.head_dim), dt),
+        pages = n * shape.pages_per_seq
+        q = ((shape.q_tokens, shape.q_heads, shape.head_dim), dt)
+        meta = [
             ((n,), jnp.int32),
             ((n, shape.pages_per_seq), jnp.int32),
             ((n + 1,), jnp.int32),
             ((1,), jnp.int32),
+        ]
+        if shape.layout == "token_major":
+            cache = (
+                (pages, shape.page_size, shape.kv_heads, shape.head_dim),
+                jnp.dtype(shape.cache_dtype),
+            )
+            scales = []
+            if shape.kv_dtype is not None:
+                scales = [((pages, shape.kv_heads, shape.page_size), jnp.float32)] * 2
+            return [q, cache, cache, *meta, *scales]
+        return [
+            q,
+            ((pages, 2 * shape.kv_heads, shape.page_size, shape.head_dim), dt),
+            *meta,
         ]
 
     def call(self, shape, generation, tiles=None):
@@ -379,14 +452,31 @@ class PagedAttention(Adapter):
         page_table = np.arange(n * shape.pages_per_seq, dtype=np.int32).reshape(n, -1)
         kv_lens = np.asarray([kv for _, kv in shape.seqs], np.int32)
         cu = np.concatenate([[0], np.cumsum([q for q, _ in shape.seqs])]).astype(np.int32)
-        return self._fn(shape, generation, tiles), (
-            _random(30, av[0][0], shape.dtype),
-            _random(31, av[1][0], shape.dtype),
+        meta = (
             jnp.asarray(kv_lens),
             jnp.asarray(page_table),
             jnp.asarray(cu),
             jnp.asarray([n], jnp.int32),
         )
+        q = _random(30, av[0][0], shape.dtype)
+        if shape.layout != "token_major":
+            return self._fn(shape, generation, tiles), (
+                q,
+                _random(31, av[1][0], shape.dtype),
+                *meta,
+            )
+        caches = []
+        for key in (31, 32):
+            x = _random(key, av[1][0], "float32")
+            if shape.kv_dtype == "int8":
+                x = jnp.clip(jnp.round(x * 32.0), -127, 127)
+            caches.append(x.astype(jnp.dtype(shape.cache_dtype)))
+        scales = ()
+        if shape.kv_dtype is not None:
+            scales = (
+                jnp.full(av[-1][0], 1.0 / 32.0 if shape.kv_dtype == "int8" else 1.0, jnp.float32),
+            ) * 2
+        return self._fn(shape, generation, tiles), (q, *caches, *meta, *scales)
 
     def compile_args(self, shape, generation):
         return self._fn(shape, generation), self._avals(shape)

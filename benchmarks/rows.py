@@ -191,16 +191,21 @@ def retime(section: dict, log, old_rows=None) -> None:
         if shape is None:
             continue
         for g, pg in r["per_generation"].items():
-            if not pg.get("compile") and r["impl"] != "ours":
+            # no compile result yet (or "not in the cache" from a --cache-only run)
+            unknown = (pg.get("compile") or {}).get("compiles") is None
+            if unknown and r["impl"] != "ours":
                 old = _old_compile(old_rows, r["kernel"], r["shape"], r["impl"], g)
                 if old:
                     pg["compile"] = old
-            if not pg.get("compile") and r["impl"] == "ours":
+                    unknown = False
+            if unknown:
                 cached = schedule_rows.read_schedule(
-                    r["kernel"], "ours", r["shape"], g, cache_only=True
+                    r["kernel"], r["impl"], r["shape"], g, cache_only=True
                 )
-                if cached and "error" not in cached and "vmem_bytes" in cached:
-                    pg["compile"] = {"compiles": True, "vmem_bytes": cached["vmem_bytes"]}
+                if cached and "error" not in cached:
+                    pg["compile"] = {"compiles": True, "vmem_bytes": cached.get("vmem_bytes")}
+                    if "vmem_bytes" not in cached:
+                        pg["compile"]["vmem_read"] = False
             if not (pg.get("compile") or {}).get("compiles"):
                 continue
             cost = KernelCost(
@@ -242,8 +247,10 @@ def build_row(
     do_schedule=False,
     old_rows=None,
     ours_generations=None,
+    cache_only=False,
 ):
-    """One table row: impl is "anchor" or "ours"."""
+    """One table row: impl is "anchor" or "ours". `cache_only`: compile nothing; a generation
+    whose compiled schedule is not in the cache says n/a."""
     import ours
 
     min_bytes, useful = registry.problem_minimum(kind, shape)
@@ -329,15 +336,26 @@ def build_row(
                 # One compile serves both columns: the dump's compile also gives the scoped VMEM.
                 c = per_gen_cost.get(g, cost)
                 sched = schedule_rows.schedule_entry(
-                    kind, impl, shape, g, c, infos[g] if impl == "ours" else info
+                    kind,
+                    impl,
+                    shape,
+                    g,
+                    c,
+                    infos[g] if impl == "ours" else info,
+                    cache_only=cache_only,
                 )
             if sched is not None and "error" not in sched and "vmem_bytes" in sched:
                 pg["compile"] = {"compiles": True, "vmem_bytes": sched.pop("vmem_bytes")}
+            elif sched is not None and "error" not in sched and cache_only:
+                # a cached dump from before entries kept the compile's scoped VMEM: it compiled
+                pg["compile"] = {"compiles": True, "vmem_bytes": None, "vmem_read": False}
             elif sched is not None and "error" in sched:
                 # The dump's compile failed: that is the compile column's answer too.
                 pg["compile"] = {"compiles": False, "error": sched["error"]}
             elif old_ci is not None:
                 pg["compile"] = old_ci
+            elif cache_only:
+                pg["compile"] = {"compiles": None}
             else:
                 fn, avals = fn_avals if impl != "ours" else a.compile_args(shape, g)
                 pg["compile"] = compile_info(g, fn, avals)
@@ -366,6 +384,7 @@ def run_section(
     do_schedule: bool = False,
     old_rows=None,
     ours_generations=None,
+    cache_only: bool = False,
 ) -> dict:
     import ours
 
@@ -394,6 +413,7 @@ def run_section(
                         do_schedule and not small,
                         old_rows,
                         ours_generations,
+                        cache_only,
                     )
                 )
     return {"rows": rows, "missing": missing, "generations": generations}

@@ -86,6 +86,12 @@ def main(argv=None):
         action="store_true",
         help="skip the compiled-schedule reading (LLO dumps) of the named rows",
     )
+    parser.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="compile nothing: named rows take their compiled schedules from the schedule cache "
+        "(n/a where it has none)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print Markdown, write nothing")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -128,6 +134,7 @@ def main(argv=None):
                     not args.no_compile and not args.no_schedule,
                     (results.get("named") or {}).get("rows"),
                     args.ours_generations,
+                    args.cache_only,
                 ),
                 kinds,
             )

@@ -101,16 +101,20 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
     }
     if grid is None or hot is None:
         return out
+    mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
+    # The step's alternative MXU paths, each with its static bundles and MXU pushes (loop bodies
+    # counted once): what `branch_runs` / `branch_pushes` charge.
+    out.update(
+        step_bundles=grid.bundles,
+        mxu_branches=[
+            [r.bundles, sched.region_segment(r).mxu_pushes]
+            for r in _mxu_branches(sched, mxu_regions)
+        ],
+    )
     if hot is grid:
-        mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
         out.update(
             hot_is_grid=True,
-            step_bundles=grid.bundles,
             idle_step_bundles=grid.bundles - sum(r.bundles for r in mxu_regions),
-            mxu_branches=[
-                [r.bundles, sched.region_segment(r).mxu_pushes]
-                for r in _mxu_branches(sched, mxu_regions)
-            ],
         )
     else:
         nest = _top_child_containing(grid, hot) or hot
@@ -122,6 +126,8 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
             for r in regions:
                 if r.start <= nest.start and nest.end <= r.end:
                     collect(r.children)
+                elif nest.start <= r.start and r.end <= nest.end:
+                    continue  # inside the nest: its bundles are the nest's
                 elif sched.region_segment(r).mxu_pushes:
                     side.append(r)
 
@@ -149,6 +155,7 @@ def scheduled_from_work(
     hot_iterations: float | None = None,
     side_region_runs: float | None = None,
     branch_runs: Sequence[float] | None = None,
+    branch_pushes: Sequence[float] | None = None,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
@@ -177,24 +184,38 @@ def scheduled_from_work(
     each path (from its work list): a busy step then costs the step's bundles without the paths
     plus the path it takes, instead of every path's bundles.
 
+    A kernel whose steps choose one of several MXU paths that hold loops of their own (flash
+    attention: the interior path for items the band covers whole, the edge walk with its masked
+    tiles) passes `branch_pushes`, the MXU pushes its work list runs on each path: each path
+    costs its static bundles per static push (its loops' bodies counted once, so a rate per
+    push) times the pushes it runs, and every step the bundles outside the paths.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
     machine = Machine.of(generation)
     clock = machine.clock_hz
+    paths = model.get("mxu_branches") or []
+    for name, per_path in (("branch_runs", branch_runs), ("branch_pushes", branch_pushes)):
+        if per_path is not None and len(paths) != len(per_path):
+            raise ValueError(
+                f"{name} has {len(per_path)} entries; the schedule has "
+                f"{len(paths)} alternative MXU paths"
+            )
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
         iterations = float(sum(branch_runs))
+    elif branch_pushes is not None:
+        iterations = float(sum(branch_pushes))  # reported as pushes
     else:
         iterations = mxu_flops / flops_per_hot_iteration
-    if model.get("hot_is_grid") and branch_runs is not None:
-        paths = model.get("mxu_branches") or []
-        if len(paths) != len(branch_runs):
-            raise ValueError(
-                f"branch_runs has {len(branch_runs)} entries; the schedule has "
-                f"{len(paths)} alternative MXU paths"
-            )
+    if branch_pushes is not None:
+        shared = model["step_bundles"] - sum(b for b, _ in paths)
+        bundles = grid_steps * shared + sum(
+            n * b / p for n, (b, p) in zip(branch_pushes, paths) if n
+        )
+    elif model.get("hot_is_grid") and branch_runs is not None:
         busy = float(sum(branch_runs))
         shared = model["step_bundles"] - sum(b for b, _ in paths)
         bundles = (
@@ -206,6 +227,13 @@ def scheduled_from_work(
         busy = min(iterations, grid_steps)
         bundles = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
     else:
+        if model["per_step_overhead_bundles"] < 0:
+            # regions counted twice when the model was read (a cache entry from before the nest's
+            # own regions were left out of the side regions): a time from it would be too low
+            raise ValueError(
+                f"negative per-step bundles ({model['per_step_overhead_bundles']}) in a schedule "
+                "model: recompile the row"
+            )
         bundles = (
             grid_steps * model["per_step_overhead_bundles"]
             + iterations * model["hot_bundles"]

@@ -289,8 +289,11 @@ def schedule_entry(
 
         fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)
         trips = fn(shape, generation) if fn else None
-    if trips and "branch_runs" in trips and not s["_model"].get("mxu_branches"):
-        trips = None  # a cache entry from before the model read the step's MXU paths
+    per_path = trips and (trips.get("branch_runs") or trips.get("branch_pushes"))
+    if per_path and len(s["_model"].get("mxu_branches") or ()) != len(per_path):
+        # a cache entry from before the model read the step's MXU paths, or a program whose
+        # step does not split (flash with segment ids runs the edge walk only)
+        trips = None
     flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info, cost)
     if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(

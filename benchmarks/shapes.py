@@ -102,6 +102,16 @@ class PagedShape:
     page_size: int
     window: int | None = None
     dtype: str = "bfloat16"
+    # Our kernel's cache: "head_major" ([pages, 2 * Hkv, page_size, D], ragged_paged_attention)
+    # or "token_major" (separate K and V [blocks, block_size, Hkv, D],
+    # paged_attention_token_major); `kv_dtype` int8 / float8_e4m3fn (token-major only) with
+    # per-token-per-head f32 scales. The anchors keep their own cache in `dtype`.
+    layout: str = "head_major"
+    kv_dtype: str | None = None
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def q_tokens(self) -> int:
@@ -130,6 +140,15 @@ NAMED = {
         *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
         # One projection alone (gate or up): the shape tokamax's published TPU timings cover.
         RaggedDotShape("mixtral_8x7b_gate_t4096", 4096, 8, 2, 4096, 14336),
+        # DeepSeek-V3-like experts: hidden 7168, expert intermediate 2048, 256 routed experts,
+        # top-8 (the shared expert and the router's grouping left out). gate: one projection
+        # (K = 7168, N = 2048; tokamax's published timings cover it at 16384 tokens on TPU7x);
+        # down: K = 2048, N = 7168.
+        *(
+            RaggedDotShape(f"deepseek_v3_like_{proj}_t{tokens}", tokens, 256, 8, k, n)
+            for tokens in (4096, 16384)
+            for proj, k, n in (("gate", 7168, 2048), ("down", 2048, 7168))
+        ),
     ],
     "flash_attention": [
         AttentionShape("llama3_8b_causal_8192", 1, 32, 8, 8192, 128),
@@ -167,6 +186,30 @@ NAMED = {
             8,
             128,
             page_size=128,
+        ),
+        # Long context: one sequence of 131072 tokens decoding.
+        PagedShape("llama3_8b_decode_b1_ctx131072", ((1, 131072),), 32, 8, 128, page_size=128),
+        # The decode batch over the caches flash-attn / vLLM / Transformers keep (token-major
+        # K and V), in bf16 and quantised to int8 with per-token-per-head scales (e4m3 pages
+        # move the same bytes; its compile did not fit the session that added these rows).
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192_token_major",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+            layout="token_major",
+        ),
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192_int8",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+            layout="token_major",
+            kv_dtype="int8",
         ),
     ],
 }

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import kernel_loader  # noqa: E402
+import tpu_compile  # noqa: E402
 
 rd = kernel_loader.load_kernel("ragged_dot")
 EP = importlib.import_module(rd.__name__ + ".expert_parallel")
@@ -270,14 +271,19 @@ def test_compiles_sharded_layer(generation, collectives):
         assert weight_bytes <= mem.argument_size_in_bytes < weight_bytes * 1.05
 
 
+# CI compiles the backward for one slice (TPU7x 2x2x1: 8 devices of 16 experts, the one that
+# splits the experts finest); the long form (HYPOTHESIS_PROFILE=sweep) for the v6e 2x2 too.
 @pytest.mark.compile
-def test_compiles_sharded_backward():
-    """The backward of the sharded layer for a v6e 2x2: gmm (dlhs layout), tgmm and the
-    recomputed gate_up on the local experts, the ragged all-to-alls transposed into ragged
-    all-to-alls back; gradients of each device's experts only."""
-    mesh, compiled = compile_sharded("v6e", "ragged_all_to_all", grad=True)
+@pytest.mark.parametrize(
+    "generation", [g for g in tpu_compile.one_generation(2) if g in ("v6e", "tpu7x")]
+)
+def test_compiles_sharded_backward(generation):
+    """The backward of the sharded layer for a v6e 2x2 / TPU7x 2x2x1 slice: gmm (dlhs layout),
+    tgmm and the recomputed gate_up on the local experts, the ragged all-to-alls transposed into
+    ragged all-to-alls back; gradients of each device's experts only."""
+    mesh, compiled = compile_sharded(generation, "ragged_all_to_all", grad=True)
     found = collective_buffers(compiled.as_text())
-    print("v6e backward collectives", found)
+    print(generation, "backward collectives", found)
     assert found.get("ragged-all-to-all", (0, 0))[0] >= 4, found  # forward 2, transposed 2
     s, devices = QWEN3_30B, mesh.shape["ep"]
     weight_bytes = 2 * 3 * s["experts"] * s["hidden"] * s["inter"] // devices

@@ -156,6 +156,17 @@ def test_alternative_mxu_paths_charge_only_the_path_taken():
         model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, hot_iterations=8
     )
     assert every["scheduled_us"] == pytest.approx((8 * 11 + 2 * 4 + 2) * 1e-3)
+    # Paths with loops of their own (flash's interior path and edge walk) are charged per MXU
+    # push: each path's static bundles per static push, times the pushes the work list runs
+    # there, plus every step's bundles outside the paths.
+    pushed = M.scheduled_from_work(
+        model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, branch_pushes=[6, 4]
+    )
+    assert pushed["scheduled_us"] == pytest.approx((10 * shared + 6 * 1 / 1 + 4 * 2 / 2 + 2) * 1e-3)
+    with pytest.raises(ValueError, match="branch_pushes"):
+        M.scheduled_from_work(
+            model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, branch_pushes=[8]
+        )
     with pytest.raises(ValueError, match="branch_runs"):
         M.scheduled_from_work(
             model, mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=Gen, branch_runs=[8]

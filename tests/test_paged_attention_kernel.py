@@ -817,3 +817,29 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
         kernel.paged_attention_token_major(
             b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], interpret=True, **kw
         )
+
+
+def test_compute_path_rule_shared_by_cost_model_and_benchmarks():
+    """One helper (schedule.compute_path) decides which compute path an item takes, for the cost
+    model's issued MXU FLOPs and the benchmarks' per-path step counts (kernel.py's traced twin
+    compares the same row slices)."""
+    path = tiling.compute_path
+    # G = 4 rows per token, 64-token q blocks (256 rows), 16-row narrow slices.
+    assert path(5, 6, 0, block_q=64, group=4, narrow=16) == 0  # one decode token: rows 20..23
+    assert path(68, 72, 1, block_q=64, group=4, narrow=16) == 0  # 4 tokens, one slice
+    assert path(3, 5, 0, block_q=64, group=4, narrow=16) == 1  # rows 12..19 cross a slice edge
+    assert path(0, 200, 1, block_q=64, group=4, narrow=16) == 1  # a prefill's whole block
+    assert path(0, 1, 0, block_q=4, group=4, narrow=16) == 1  # no narrow path compiled
+    # The cost model charges a decode batch narrow rows only, whole blocks to the prefill.
+    kw = dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, pages_per_seq=P)
+    cfg = tiling.PagedAttentionConfig(block_q=32, pages_per_block=2)
+    t = tiling.traffic(q_lens=[1, 1, 1], kv_lens=[40, 17, 80], config=cfg, **kw)
+    nr = tiling.narrow_rows(HQ // HKV, 32 * HQ // HKV)
+    per_item = 4 * HKV * nr * 2 * PS * D
+    assert t["mxu_flops"] == per_item * sum(1 for it in t["items"] if it[3] > 0)
+    t2 = tiling.traffic(q_lens=[1, 30], kv_lens=[40, 80], config=cfg, **kw)
+    wide = [it for it in t2["items"] if it[1] == 1]
+    rows = 32 * HQ // HKV
+    assert t2["mxu_flops"] == 4 * HKV * 2 * PS * D * (
+        nr * (len(t2["items"]) - len(wide)) + rows * len(wide)
+    )

@@ -409,6 +409,27 @@ def test_tiling_override_and_validation():
         T.gmm_tiling(4096, 2048, 1536, jnp.bfloat16, jnp.bfloat16, override={"bm": 128})
 
 
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_gmm_tiling_takes_half_of_an_n_without_a_large_power_of_two_divisor(generation):
+    """DeepSeek-V3's down projection (N = 7168 = 7 x 1024, K = 2048, 256 experts of 128 rows):
+    an N tile of 1024 reads lhs 7 times; the search may take 3584 or 1792 instead, and then moves
+    fewer bytes. K is never cut that way (a K split re-reads lhs and weights per K block)."""
+    m, k, n, g = 32768, 2048, 7168, 256
+    t = T.gmm_tiling(m, k, n, jnp.bfloat16, jnp.bfloat16, num_groups=g, generation=generation)
+    assert t.tn in (7168, 3584, 1792), t
+    gs = np.full(g, m // g, np.int32)
+
+    def nbytes(tiles):
+        return T.estimate_cost(
+            "gmm", (m, k), (g, k, n), gs, tiling=tiles, generation=generation
+        ).hbm_bytes
+
+    assert nbytes(t) < nbytes(T.GmmTiling(t.tm, t.tk, 1024))
+    assert 3584 not in T._dim_candidates(7168)  # K's candidates
+    # A dimension with a power-of-two divisor of 2048 or more keeps its old candidates.
+    assert T._dim_candidates(14336, halves=True) == T._dim_candidates(14336)
+
+
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["gmm", "gmm_int8_transposed", "tgmm"])

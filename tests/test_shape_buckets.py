@@ -640,3 +640,143 @@ def test_warmup_covers_every_bucket():
             op.compile_stats.keys.update(saved[name])
     for name in ops:
         assert after[name] == warm[name], f"{name}: {sorted(after[name] - warm[name])[:3]}"
+
+
+def _tensor_shapes(key):
+    """The tensor shapes in a bridge compile key (nested tuples), in order."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "tensor":
+        return [key[1]]
+    if isinstance(key, tuple):
+        return [s for part in key for s in _tensor_shapes(part)]
+    return []
+
+
+@pytest.mark.timeout(300)
+def test_flash_warmup_dense_batches():
+    """`dense_batches` warms dense `flash_attn_func` calls of those batch sizes: the warm-up makes
+    exactly the kernels that every such call (any length up to max_tokens) and the varlen calls
+    hit, once each, and after it none of those calls compiles anything; a batch it was not told
+    about still does."""
+    op = FA.ops.fwd_op
+    saved = set(op.compile_stats.keys)
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, max_tokens = 2, 1, 8, 40
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=torch.float32)
+
+    def dense_call(b, n):
+        q, k = torch.zeros(b, n, heads, d), torch.zeros(b, n, kv_heads, d)
+        FA.flash_attn_func(q, k, k, causal=True)
+
+    try:
+        with FA.jax_bridge.count_compiles_only(), torch.no_grad():
+            # What the calls hit, without a warm-up: every dense call of batch 2 (dense kernels
+            # on the buckets, packed otherwise) and 3 (always packed), every varlen length.
+            op.compile_stats.keys.clear()
+            for b in (2, 3):
+                for n in range(1, max_tokens + 1):
+                    dense_call(b, n)
+            for n in range(1, max_tokens + 1):
+                cu = torch.tensor([0, n], dtype=torch.int32)
+                q, k = torch.zeros(n, heads, d), torch.zeros(n, kv_heads, d)
+                FA.flash_attn_varlen_func(q, k, k, cu, cu, causal=True)
+            hit = set(op.compile_stats.keys)
+            op.compile_stats.keys.clear()
+            calls = FA.warmup(max_tokens=max_tokens, dense_batches=(2, 3), **kw)
+            warm = set(op.compile_stats.keys)
+            assert warm == hit and calls == len(warm)
+            # Both forms are there: dense batch-2 kernels and packed ones (batch 3 packs to 3
+            # sequence slots, padded to 4).
+            shapes = [_tensor_shapes(key) for key in warm]
+            assert any((2, 16, heads, d) in s for s in shapes)
+            assert any((5,) in s for s in shapes)
+            for _ in range(30):
+                b = int(torch.randint(2, 4, (1,), generator=g))
+                dense_call(b, int(torch.randint(1, max_tokens + 1, (1,), generator=g)))
+            assert set(op.compile_stats.keys) == warm
+            # The default warms batch 1 only: a batch-4 dense call on a bucket compiles its own.
+            op.compile_stats.keys.clear()
+            FA.warmup(max_tokens=max_tokens, **kw)
+            before = set(op.compile_stats.keys)
+            dense_call(4, 16)
+            assert len(set(op.compile_stats.keys) - before) == 1
+    finally:
+        op.compile_stats.keys.clear()
+        op.compile_stats.keys.update(saved)
+    with pytest.raises(ValueError, match="dense_batches"):
+        FA.warmup(max_tokens=8, dense_batches=(0,), **kw)
+
+
+# -------------------------------------------------------------------------------------------------
+# benchmarks/bucket_padding.py: how the padding cost is priced (no compile here)
+# -------------------------------------------------------------------------------------------------
+
+
+def test_bucket_padding_prices_no_work_on_padded_rows():
+    """The exact and bucketed sides of a call differ only by padding: the same useful work, the
+    same work-list trips where the tiles agree, and at least as many bytes at the bucket."""
+    import bucket_padding as BP
+
+    gs = BP._routing(5, np.random.default_rng(0))
+    exact, padded = (BP.gmm_side("gmm_down", m, gs, "v6e") for m in (40, SB.bucket_tokens(41)))
+    assert exact.cost.useful_flops == padded.cost.useful_flops
+    assert padded.cost.hbm_bytes >= exact.cost.hbm_bytes
+    exact, padded = (BP.flash_side(t, [0, 37], "v6e") for t in (37, SB.bucket_tokens(37)))
+    assert exact.cost.useful_flops == padded.cost.useful_flops
+    q, kv = [1] * 5, [100, 7, 300, 16, 17]
+    exact = BP.paged_side(q, kv, 5, 5, "v6e")
+    padded = BP.paged_side(q, kv, SB.bucket_tokens(5), SB.bucket_count(5), "v6e")
+    assert exact.cost.useful_flops == padded.cost.useful_flops
+    if exact.tiles == padded.tiles:
+        assert exact.trips == padded.trips
+    # Padded sequence slots cost grid steps (the static list is sized by them), not work.
+    assert padded.cost.grid_steps >= exact.cost.grid_steps
+
+
+def test_bucket_padding_schedules_interpolate_along_the_row_tile(monkeypatch, tmp_path):
+    import bucket_padding as BP
+
+    monkeypatch.setattr(BP, "CACHE", tmp_path / "cache.json")
+    monkeypatch.setattr(BP, "_source_hash", lambda op: "sources")
+    sched = BP.Schedules("v6e", compile_budget=0)
+
+    def model(b):
+        return {
+            "hot_is_grid": False,
+            "hot_bundles": b,
+            "per_step_overhead_bundles": 2 * b,
+            "side_region_mean_bundles": b,
+            "outside_bundles": 30,
+            "xla": [],
+        }
+
+    for tm, b in ((16, 100), (64, 400)):
+        sched.cache[sched.key("gmm_down", (tm, 768, 2048))] = {"_model": model(b)}
+    m, how = sched.model("gmm_down", (32, 768, 2048))
+    assert (
+        how == "interpolated" and m["hot_bundles"] == 200 and m["per_step_overhead_bundles"] == 400
+    )
+    assert m["hot_is_grid"] is False
+    assert sched.model("gmm_down", (16, 768, 2048)) == (model(100), "compiled")
+    assert sched.model("gmm_down", (128, 768, 2048)) == (model(400), "nearest")
+    assert sched.model("gmm_down", (32, 768, 1024))[1] == "nearest"  # other tn: no bracket
+    assert sched.model("flash_attention", (128, 128, 128, 128)) == (None, "missing")
+    assert BP._bisection([1, 2, 3, 4, 5]) == [1, 5, 3, 2, 4]
+
+
+def test_readme_padding_paragraph_is_generated_from_results_json():
+    """README's padding numbers ("Compilation and shape buckets", between the markers) are the
+    paragraph benchmarks/bucket_padding.py writes from results.json: they cannot drift from it
+    (rerunning the script rewrites both)."""
+    import json
+    import re
+    from pathlib import Path
+
+    import bucket_padding as BP
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    result = json.loads((root / "benchmarks" / "results" / "results.json").read_text())
+    a, b = readme.index(BP.README_START), readme.index(BP.README_END)
+    stated = re.sub(r"\s+", " ", readme[a + len(BP.README_START) : b]).strip()
+    expected = re.sub(r"\s+", " ", BP.readme_paragraph(result["bucket_padding"])).strip()
+    assert stated == expected, "rerun benchmarks/bucket_padding.py (it rewrites the paragraph)"

@@ -14,11 +14,25 @@ checks it for every family):
   tiles dataclass, with a `vmem_limit_bytes` field (None: `vmem_limit_bytes(gen, need)`), for
   `generation` (a name; None: `get_generation()`); `override` wins.
 - `estimate_cost(<the problem>, ..., tiles=None, generation=None)`: the `KernelCost` of one call
-  at `tiles` (None: what `choose_tiles` picks), `vmem_bytes` its budget-model need.
+  at `tiles` (None: what `choose_tiles` picks), `vmem_bytes` its budget-model need, and what its
+  compute tiles push through each unit (`compute_tiles`, `mxu_pushes`, `eup_pushes`,
+  `valu_ops`: the family's own per-tile counts, summed over the call).
+- Ranking: `choose_tiles` picks among the candidates that fit with `best_tiles` (one function for
+  every family), by `ranked_seconds`, a schedule-aware time model: max(the tiles' bundles / clock
+  (never below the MXU FLOP floor), HBM bytes / bandwidth) + grid steps x step overhead. A tile's
+  bundles come from `tile_bundles`: max(MXU push cycles x issue factor, vector-unit slot cycles
+  x issue factor) + a fixed per-tile cost, constants per generation (`TILE_BUNDLE_MODELS`)
+  calibrated on libtpu's LLO dumps of our kernels' hot loops
+  (benchmarks/results/tile_model_calibration.json; tests/test_shared_contract.py keeps the
+  model within its tolerance of them). A family whose cost leaves the unit counts at 0 is ranked
+  by the MXU FLOP floor (the roofline). `best_tiles(..., within=)` treats candidates within the
+  model's error of the fastest as equal and lets the family's tie-break (larger DMA blocks for
+  flash) choose among them.
 
-The problem arguments are each family's own. How candidates are ranked is not yet shared:
-flash_attention ranks by `KernelCost.modelled_seconds`, ragged_dot by compute plus traffic time,
-paged_attention takes the first fitting entry of a fixed preference list.
+The problem arguments are each family's own. flash_attention ranks with `best_tiles` (forward:
+per-tile unit counts; backward: still the FLOP floor, its dumps are not calibrated yet);
+ragged_dot and paged_attention are adopting it (until then: compute plus traffic time, and the
+first fitting entry of a fixed preference list).
 
 Vendored into every Hub package at build time: no imports from the collection.
 """
@@ -217,7 +231,13 @@ def vmem_budget_bytes(gen: TpuGeneration, family: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class KernelCost:
     """What one kernel call makes the hardware do, from a kernel's closed-form cost model
-    (`tiling.estimate_cost`). The benchmarks check these numbers against TPU-interpret-mode counts."""
+    (`tiling.estimate_cost`). The benchmarks check these numbers against TPU-interpret-mode counts.
+
+    The last four fields are what the call's compute tiles push through each unit, summed over
+    the call (0: the family does not count them; `ranked_seconds` then falls back to the MXU
+    FLOP floor). `compute_tiles` is the number of score / matmul tiles the kernel body runs, each
+    charged the generation's fixed per-tile bundles; `mxu_pushes` MXU weight pushes of 16 rows
+    (`mxu_pushes()`); `eup_pushes` vregs through the EUP (exp, tanh); `valu_ops` VALU vreg ops."""
 
     useful_flops: int  # the math the caller asked for
     mxu_flops: int  # the math issued, tile padding included
@@ -225,9 +245,17 @@ class KernelCost:
     min_hbm_bytes: int  # each input read once, each output written once
     grid_steps: int
     vmem_bytes: int = 0  # the budget model's VMEM need
+    compute_tiles: int = 0
+    mxu_pushes: int = 0
+    eup_pushes: int = 0
+    valu_ops: int = 0
+    # of compute_tiles, those that carry a mask (band edges, sequence ends, segment ids): the
+    # benchmarks' schedule model charges them the bundles of the kernel's masked path
+    masked_tiles: int = 0
 
     def modelled_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
-        """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead."""
+        """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead (the
+        roofline-style model; tiles are ranked by `ranked_seconds`)."""
         peak = peak_flops or gen.bf16_flops
         return max(self.mxu_flops / peak, self.hbm_bytes / gen.hbm_bytes_per_s) + (
             self.grid_steps * gen.step_overhead_s
@@ -236,3 +264,140 @@ class KernelCost:
     def roofline_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
         peak = peak_flops or gen.bf16_flops
         return max(self.useful_flops / peak, self.min_hbm_bytes / gen.hbm_bytes_per_s)
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile ranking: one schedule-aware time model for every family's choose_tiles
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBundleModel:
+    """Per-generation constants of the per-tile bundle model (`tile_bundles`).
+
+    A compute tile keeps the MXU busy for its pushes x `push_bundles` cycles and the vector
+    units for the larger of EUP pushes / EUP slots and VALU ops / VALU slots; the LLO scheduler
+    stretches the busier of the two by its issue factor (`mxu_issue`, `vector_issue`: the
+    dependency latency between a tile's matmul, softmax and second matmul that it cannot hide),
+    and every tile adds `tile_fixed_bundles` (result pops, loop and address bookkeeping, the
+    statistics' reload). Calibrated against the final bundles of our kernels' hot loops (libtpu's
+    LLO dump): benchmarks/results/tile_model_calibration.json lists every data point, the command
+    that produced it and the model's error; tests/test_shared_contract.py keeps the model within
+    its stated tolerance of them."""
+
+    push_bundles: float  # cycles one MXU push (16 rows x mxu_size x mxu_size) occupies
+    mxu_issue: float
+    vector_issue: float
+    tile_fixed_bundles: float
+    valu_slots: int = 4  # the dumps' CAPACITY row
+    eup_slots: int = 1
+    calibrated: bool = True
+
+
+TILE_BUNDLE_MODELS: dict[str, TileBundleModel] = {
+    # push_bundles: (16 x mxu x mxu x 2 FLOP) / (bf16 peak / clock) = 4.0 on all three.
+    # v5e: MXU-bound (the vector term is v6e's; no v5e dump is vector-bound).
+    "v5e": TileBundleModel(
+        push_bundles=4.0, mxu_issue=1.02, vector_issue=1.42, tile_fixed_bundles=16
+    ),
+    "v6e": TileBundleModel(
+        push_bundles=4.0, mxu_issue=1.05, vector_issue=1.42, tile_fixed_bundles=224
+    ),
+    # TPU7x: no dump of a tile below 512 rows; its fixed per-tile bundles are v6e's.
+    "tpu7x": TileBundleModel(
+        push_bundles=4.0, mxu_issue=0.96, vector_issue=1.36, tile_fixed_bundles=224
+    ),
+    # No dump of v5p was read: v5e's constants (same MXU geometry), marked uncalibrated.
+    "v5p": TileBundleModel(
+        push_bundles=4.0,
+        mxu_issue=1.02,
+        vector_issue=1.42,
+        tile_fixed_bundles=16,
+        calibrated=False,
+    ),
+}
+
+
+def tile_bundle_model(gen: TpuGeneration) -> TileBundleModel:
+    try:
+        return TILE_BUNDLE_MODELS[gen.name]
+    except KeyError:
+        raise ValueError(f"no tile bundle model for TPU generation {gen.name!r}") from None
+
+
+def mxu_pushes(gen: TpuGeneration, m: int, k: int, n: int) -> int:
+    """MXU pushes of one [m, k] @ [k, n] bf16 matmul: one push per 16 rows (a packed bf16 vreg)
+    per (mxu_size x mxu_size) block of the weight operand, as the dumps' `vmatmul` counts show
+    (v6e: a 512x512 score tile at d=128 or d=256 is 128 pushes for QK^T plus PV)."""
+    side = gen.mxu_size
+    return -(-m // 16) * -(-k // side) * -(-n // side)
+
+
+def tile_bundles(
+    gen: TpuGeneration,
+    *,
+    mxu_pushes: float,
+    eup_pushes: float = 0.0,
+    valu_ops: float = 0.0,
+    tiles: float = 1.0,
+) -> float:
+    """Bundles the LLO scheduler needs for `tiles` compute tiles that together push
+    `mxu_pushes` / `eup_pushes` / `valu_ops` through the MXU / EUP / VALU (one tile: tiles=1):
+    max(MXU cycles x mxu_issue, vector slot-cycles x vector_issue) + tiles x fixed bundles
+    (`TileBundleModel`). Per-tile inputs, or totals over homogeneous tiles, give the same
+    answer."""
+    m = tile_bundle_model(gen)
+    mxu = mxu_pushes * m.push_bundles * m.mxu_issue
+    vector = max(eup_pushes / m.eup_slots, valu_ops / m.valu_slots) * m.vector_issue
+    return max(mxu, vector) + tiles * m.tile_fixed_bundles
+
+
+def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: int = 0) -> float:
+    """The time model every family's `choose_tiles` ranks candidates by (schedule-aware):
+
+        max(compute, DMA) + grid steps x step overhead + outside_hbm_bytes / bandwidth
+
+    compute = the call's tiles' bundles (`tile_bundles` over the KernelCost's per-unit counts)
+    / clock, never below the MXU FLOP floor; DMA = hbm_bytes / bandwidth, overlapped with compute
+    (double buffering); `outside_hbm_bytes`: XLA copies around the kernel a tile choice causes
+    (padding to a block multiple). A KernelCost without unit counts (compute_tiles == 0) is
+    charged the MXU FLOP floor alone (the roofline)."""
+    floor = cost.mxu_flops / gen.bf16_flops
+    if cost.compute_tiles:
+        bundles = tile_bundles(
+            gen,
+            mxu_pushes=cost.mxu_pushes,
+            eup_pushes=cost.eup_pushes,
+            valu_ops=cost.valu_ops,
+            tiles=cost.compute_tiles,
+        )
+        compute = max(bundles / gen.clock_hz, floor)
+    else:
+        compute = floor
+    dma = cost.hbm_bytes / gen.hbm_bytes_per_s
+    return (
+        max(compute, dma)
+        + cost.grid_steps * gen.step_overhead_s
+        + outside_hbm_bytes / gen.hbm_bytes_per_s
+    )
+
+
+def best_tiles(candidates, gen: TpuGeneration, tie_break=None, within: float = 0.0):
+    """The candidate with the lowest `ranked_seconds`: `candidates` yields (tiles, KernelCost)
+    or (tiles, KernelCost, outside_hbm_bytes); `tie_break(tiles)` orders candidates the model
+    cannot tell apart (lower first; default: first seen): those within a factor (1 + `within`)
+    of the fastest, `within` being the model's error on the family's tiles (0: exact ties only).
+    Returns (tiles, cost, seconds), or None for no candidate."""
+    scored = []
+    for i, cand in enumerate(candidates):
+        tiles, cost = cand[0], cand[1]
+        outside = cand[2] if len(cand) > 2 else 0
+        scored.append((ranked_seconds(cost, gen, outside_hbm_bytes=outside), i, tiles, cost))
+    if not scored:
+        return None
+    fastest = min(sec for sec, *_ in scored)
+    near = [c for c in scored if c[0] <= fastest * (1.0 + within)]
+    sec, _, tiles, cost = min(
+        near, key=lambda c: ((tie_break(c[2]) if tie_break else ()), c[0], c[1])
+    )
+    return tiles, cost, sec

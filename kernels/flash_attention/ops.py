@@ -448,68 +448,88 @@ def warmup(
     sinks: bool = False,
     backward: bool = False,
     dense: bool = True,
+    dense_batches=(1,),
     device="cpu",
 ) -> int:
-    """Compile, before serving, every kernel that `flash_attn_varlen_func` (and a dense
-    `flash_attn_func` packed into it) can need for up to `max_tokens` packed tokens in up to
-    `max_seqs` sequences with this model's attention settings: one call per (token bucket,
-    sequence-count bucket) pair, queries and keys of equal length (self-attention prefill).
-    `dense=True` adds the dense kernels of one sequence whose length is a bucket (what
-    `flash_attn_func` runs for a batch of one prompt of that length). `backward=True` compiles the
-    backward kernels too. Returns the number of calls made."""
+    """Compile, before serving, every kernel these calls can need, with this model's attention
+    settings (queries and keys of equal length: self-attention prefill):
+
+    - `flash_attn_varlen_func` with up to `max_tokens` packed tokens in up to `max_seqs`
+      sequences: one kernel per (token bucket, sequence-count bucket) pair;
+    - with `dense=True`, `flash_attn_func` at every batch size in `dense_batches` (default: 1,
+      one prompt), each sequence 1..`max_tokens` long. Such a call runs the dense kernel of
+      [batch, length] when the batch is a power of two and the length a token bucket, and is
+      otherwise packed into the varlen form (batch x length tokens in `batch` sequences), so this
+      compiles exactly the dense kernels and the varlen (bucket of batch x length, bucket of
+      batch) kernels those calls hit, for every length up to `max_tokens`.
+
+    Each distinct kernel is compiled once (a kernel two of these call kinds share is not compiled
+    twice). `backward=True` compiles the backward kernels too. Returns the number of calls made,
+    the number of distinct forward kernels."""
     from .shape_buckets import count_buckets, token_buckets
 
-    calls = 0
-    for tokens in token_buckets(max_tokens) if dense else ():
-        q = torch.zeros(
-            1, tokens, num_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
-        )
-        k = torch.zeros(
-            1, tokens, num_kv_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
-        )
-        s_aux = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
+    batches = tuple(dense_batches) if dense else ()
+    for b in batches:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"dense_batches: expected positive ints, got {dense_batches!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
+    # The kernels, as flash_attn_func / flash_attn_varlen_func will key them: dense (batch,
+    # length) and varlen (padded tokens, sequence slots).
+    dense_kernels: set = set()
+    varlen_kernels = {
+        (tokens, seqs)
+        for tokens in token_buckets(max_tokens)
+        for seqs in count_buckets(min(max_seqs, tokens))
+    }
+    policy = bucket_policy()
+    for b in batches:
+        for length in range(1, max_tokens + 1):
+            if not policy.enabled or (bucket_tokens(length) == length and b & (b - 1) == 0):
+                dense_kernels.add((b, length))
+            else:
+                varlen_kernels.add((bucket_tokens(b * length), bucket_count(b)))
+
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=dtype, device=device, requires_grad=backward)
+
+    def sink_logits():
+        return torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
+
+    for b, length in sorted(dense_kernels):
+        k = zeros(b, length, num_kv_heads, head_dim)
         out = flash_attn_func(
-            q,
+            zeros(b, length, num_heads, head_dim),
             k,
             torch.zeros_like(k, requires_grad=backward),
             softmax_scale=softmax_scale,
             causal=causal,
             window_size=window_size,
             softcap=softcap,
-            s_aux=s_aux,
+            s_aux=sink_logits(),
         )
         if backward:
             out.sum().backward()
-        calls += 1
-    for tokens in token_buckets(max_tokens):
-        for seqs in count_buckets(min(max_seqs, tokens)):
-            q = torch.zeros(
-                tokens, num_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
-            )
-            k = torch.zeros(
-                tokens, num_kv_heads, head_dim, dtype=dtype, device=device, requires_grad=backward
-            )
-            v = torch.zeros_like(k, requires_grad=backward)
-            # All tokens in the first sequence, the other sequence slots empty: the shapes (and so
-            # the compiled kernels) are those of any batch in these buckets.
-            cu = torch.full((seqs + 1,), tokens, dtype=torch.int32, device=device)
-            cu[0] = 0
-            s_aux = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
-            out = flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu,
-                cu,
-                tokens,
-                tokens,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window_size,
-                softcap=softcap,
-                s_aux=s_aux,
-            )
-            if backward:
-                out.sum().backward()
-            calls += 1
-    return calls
+    for tokens, seqs in sorted(varlen_kernels):
+        k = zeros(tokens, num_kv_heads, head_dim)
+        # All tokens in the first sequence, the other sequence slots empty: the shapes (and so
+        # the compiled kernels) are those of any batch in these buckets.
+        cu = torch.full((seqs + 1,), tokens, dtype=torch.int32, device=device)
+        cu[0] = 0
+        out = flash_attn_varlen_func(
+            zeros(tokens, num_heads, head_dim),
+            k,
+            torch.zeros_like(k, requires_grad=backward),
+            cu,
+            cu,
+            tokens,
+            tokens,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            s_aux=sink_logits(),
+        )
+        if backward:
+            out.sum().backward()
+    return len(dense_kernels) + len(varlen_kernels)

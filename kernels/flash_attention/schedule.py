@@ -232,14 +232,24 @@ def count_live_tiles(lists, seqs, band: Band, bq, bqc, bk, bkc, tables=None) -> 
     row), the (q compute tile, kv slice) pairs holding an allowed (query, key) pair, the same
     rectangle test the list builder applies to whole blocks (and, with `tables` = per-row (q min,
     q max, kv min, kv max) segment ids of each compute tile, whose documents meet)."""
+    return count_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)[0]
+
+
+def count_tiles(
+    lists, seqs, band: Band, bq, bqc, bk, bkc, tables=None, segments=False
+) -> tuple[int, int]:
+    """(live, masked): the score tiles `count_live_tiles` counts, and how many of them carry a
+    mask (a tile the band's edge cuts, or one the sequence ends inside; with segment ids every
+    tile is masked). The tile-ranking model charges a masked tile its compare and select work."""
     qi, ki, si, fl = np.concatenate(lists, axis=1)
     bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
     computes = (fl & COMPUTE) != 0
     ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
-    live = 0
+    live = masked = 0
     for j in range(bq // bqc):
-        q_lo = np.maximum(qi * bq + j * bqc, ql)
-        q_hi = np.minimum(qi * bq + (j + 1) * bqc, qh)
+        t0 = qi * bq + j * bqc
+        q_lo = np.maximum(t0, ql)
+        q_hi = np.minimum(t0 + bqc, qh)
         for c in range(bk // bkc):
             u0 = ki * bk + c * bkc
             k_lo = np.maximum(u0, kl)
@@ -250,7 +260,17 @@ def count_live_tiles(lists, seqs, band: Band, bq, bqc, bk, bkc, tables=None) -> 
                 gq, gk = qi * (bq // bqc) + j, ki * (bk // bkc) + c
                 ok &= (qt_min[bi, gq] <= kt_max[bi, gk]) & (kt_min[bi, gk] <= qt_max[bi, gq])
             live += int(ok.sum())
-    return live
+            if segments or tables is not None:
+                masked += int(ok.sum())
+                continue
+            # Whole tile inside the sequence and every (query, key) distance inside the band.
+            whole = (q_lo == t0) & (q_hi == t0 + bqc) & (k_lo == u0) & (k_hi == u0 + bkc)
+            if band.hi < _UNBOUNDED:
+                whole = whole & ((k_hi - 1) - q_lo + off <= band.hi)
+            if band.lo > -_UNBOUNDED:
+                whole = whole & (k_lo - (q_hi - 1) + off >= band.lo)
+            masked += int((ok & ~whole).sum())
+    return live, masked
 
 
 __all__ = [
@@ -261,6 +281,7 @@ __all__ = [
     "build_work_list",
     "max_work_items",
     "count_live_tiles",
+    "count_tiles",
     "per_batch_lists_fit",
     "MAX_PER_BATCH_LIST_BYTES",
     "COMPUTE",

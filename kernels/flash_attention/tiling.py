@@ -8,8 +8,15 @@ blocks cut grid steps and K/V re-reads (K/V are read once per q block); small co
 the masked work near the band's edge (a sliding window or the causal diagonal) small.
 block_q_bwd / block_kv_bwd are the two backward passes' DMA blocks and block_q_compute_bwd /
 block_kv_compute_bwd their compute tiles. `choose_tiles` tries the
-candidates whose every VMEM buffer fits the generation's budget and keeps the one with the lowest
-modelled time (KernelCost.modelled_seconds) on the caller's shape; `Tiles(...)` overrides it.
+candidates whose every VMEM buffer fits the generation's budget and keeps the one the shared
+ranking (tpu_generations.best_tiles / ranked_seconds) finds fastest on the caller's shape: the
+forward's score tiles charged by the calibrated per-tile bundle model from what each pushes
+through the MXU, EUP and VALU (`fwd_tile_units`; masked edge tiles pay their compares), overlapped
+with the DMA, plus the per-step overhead. Candidates within RANKING_TOLERANCE of the fastest count
+as equal and the larger DMA blocks win among them. Blocks run up to the next power of two of the
+length (never refused for being longer than the sequence), and the ranking is the kernel's own
+time, so a longer sequence never gets faster tiles than a shorter one could
+(tests/test_shared_contract.py). `Tiles(...)` overrides the choice.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .schedule import (  # noqa: F401  (re-exported)
     Band,
     build_work_list,
     count_live_tiles,
+    count_tiles,
     max_work_items,
     per_batch_lists_fit,
 )
@@ -34,7 +42,9 @@ from .tpu_generations import (
     GENERATIONS,  # noqa: F401  (re-exported: tiling.GENERATIONS)
     KernelCost,
     TpuGeneration,
+    best_tiles,
     get_generation,
+    mxu_pushes,
     vmem_limit_bytes,
 )
 
@@ -180,29 +190,35 @@ def vmem_budget_bytes(gen: TpuGeneration) -> int:
     return _generations.vmem_budget_bytes(gen, "flash_attention")
 
 
+# Forward candidates within this factor of the fastest count as equally fast, and the larger DMA
+# blocks win among them: no grid steps or K/V re-reads traded for a gain the model cannot resolve.
+# It is the tolerance tests/test_shared_contract.py holds the per-tile bundle model to against the
+# dumps (benchmarks/results/tile_model_calibration.json: now within 5.5%).
+RANKING_TOLERANCE = 0.08
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (int(x) - 1).bit_length()
+
+
 def _candidates(q_len, kv_len, groups, gen):
     """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward."""
-    cap_q = max(128, _r(q_len, 128))
-    cap_k = max(128, _r(kv_len, 128))
+    # Blocks up to the next power of two of each length: a block larger than the sequence only
+    # pads it, and a longer sequence must never see candidates a shorter one was refused (the
+    # choice would not be monotone in length).
+    cap_q = _next_pow2(max(128, q_len))
+    cap_k = _next_pow2(max(128, kv_len))
     compute_kv = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
     for bq in (2048, 1024, 512, 256, 128):
         if bq > cap_q and bq > 128:
             continue
-        for bqc in sorted({min(bq, c) for c in (128, 256, 512)}):
+        for bqc in sorted({min(bq, c) for c in (128, 256, 512)}, reverse=True):
             if groups * bqc > MAX_ROWS and bqc > 128:
                 continue
             for bk in (2048, 1024, 512, 256, 128):
                 if bk > cap_k and bk > 128:
                     continue
                 yield bq, bqc, bk, min(bk, compute_kv)
-
-
-def _pad_copy_bytes(q_len, kv_len, block_q, block_kv, hq, hkv, head_dim, itemsize) -> int:
-    """HBM bytes XLA spends outside the kernel when a length is not a multiple of its block: q is
-    padded (read + write) and o sliced back (read + write); k and v are padded."""
-    q = 4 * hq * q_len * head_dim * itemsize if q_len % block_q else 0
-    kv = 4 * hkv * kv_len * head_dim * itemsize if kv_len % block_kv else 0
-    return q + kv
 
 
 def choose_tiles(
@@ -221,7 +237,11 @@ def choose_tiles(
     segments=False,
     override: Optional[Tiles] = None,
 ) -> Tiles:
-    """The tiles for one sequence of `q_len` x `kv_len` (the longest one for varlen)."""
+    """The tiles for one sequence of `q_len` x `kv_len` (the longest one for varlen; `total_q` /
+    `total_kv` the packed totals: the fused backward keeps dq of `total_q` rows in VMEM). Ranked
+    by the kernel's own time: the XLA pad to a block multiple is not charged, so a longer
+    sequence never gets faster tiles than a shorter one (an earlier ranking that charged it
+    picked small blocks at 1792 tokens, +66% kernel time)."""
     if override is not None:
         return override
     gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
@@ -239,55 +259,55 @@ def choose_tiles(
         causal=causal,
         window_size=window_size,
     )
-    best_f, best_b = None, None
-    for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
-        # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
-        nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
-        if nf <= budget:
-            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc)
-            c = estimate_cost(tiles=t, pass_="fwd", **cost_kw)
-            pad = _pad_copy_bytes(
-                total_q or q_len,
-                total_kv or kv_len,
-                bq,
-                bk,
-                num_q_heads,
-                num_kv_heads,
-                head_dim,
-                isz,
-            )
-            key = (c.modelled_seconds(gen) + pad / gen.hbm_bytes_per_s, -bq * bk, -bqc)
-            if best_f is None or key < best_f[0]:
-                best_f = (key, bq, bqc, bk, bkc, nf)
-        # backward: the same candidate as (block_q_bwd, its compute tile, block_kv_bwd, ...),
-        # as two passes or fused (dq resident in VMEM: the padded sequence must fit)
-        for fused in (False, True):
-            seq_q = _r(total_q or q_len, bq) if fused else None
-            nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
-            if nb > budget:
+
+    def forward():
+        for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
+            # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
+            nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
+            if nf > budget:
                 continue
-            t = Tiles(
-                bq,
-                bk,
-                bkc,
-                bq,
-                bk,
-                block_q_compute=bqc,
-                block_q_compute_bwd=bqc,
-                block_kv_compute_bwd=bkc,
-                fused_bwd=fused,
-            )
-            c = estimate_cost(tiles=t, pass_="bwd", **cost_kw)
-            key = (c.modelled_seconds(gen), -bq * bk, -bqc)
-            if best_b is None or key < best_b[0]:
-                best_b = (key, bq, bqc, bk, bkc, nb, fused)
+            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc)
+            c = estimate_cost(tiles=t, pass_="fwd", generation=gen, segments=segments, **cost_kw)
+            yield (bq, bqc, bk, bkc, nf), c
+
+    def backward():
+        # the same candidates as (block_q_bwd, its compute tile, block_kv_bwd, ...), as two
+        # passes or fused (dq resident in VMEM: the padded sequence must fit)
+        for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
+            for fused in (False, True):
+                seq_q = _r(total_q or q_len, bq) if fused else None
+                nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
+                if nb > budget:
+                    continue
+                t = Tiles(
+                    bq,
+                    bk,
+                    bkc,
+                    bq,
+                    bk,
+                    block_q_compute=bqc,
+                    block_q_compute_bwd=bqc,
+                    block_kv_compute_bwd=bkc,
+                    fused_bwd=fused,
+                )
+                c = estimate_cost(tiles=t, pass_="bwd", generation=gen, **cost_kw)
+                yield (bq, bqc, bk, bkc, nb, fused), c
+
+    # Forward times the model cannot tell apart: the larger DMA blocks, then the faster by the
+    # model, then the larger compute tile (candidates come larger compute tile first). The
+    # backward (no unit counts yet: the FLOP floor) breaks exact ties as before: the larger DMA
+    # blocks, then the larger compute tile.
+    best_f = best_tiles(
+        forward(), gen, tie_break=lambda k: (-k[0] * k[2],), within=RANKING_TOLERANCE
+    )
+    best_b = best_tiles(backward(), gen, tie_break=lambda k: (-k[0] * k[2], -k[1]))
     if best_f is None or best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
             f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly"
         )
-    _, bq, bqc, bk, bkc, nf = best_f
-    _, bqb, bqcb, bkb, bkcb, nb, fused = best_b
+    bq, bqc, bk, bkc, nf = best_f[0]
+    bqb, bqcb, bkb, bkcb, nb, fused = best_b[0]
     return Tiles(
         bq,
         bk,
@@ -301,6 +321,48 @@ def choose_tiles(
         block_kv_compute_bwd=bkcb,
         fused_bwd=fused,
     )
+
+
+# What one forward score tile pushes through each unit (the ranking model's per-family inputs,
+# tpu_generations.tile_bundles). Per f32 score vreg (8 x 128 scores) the forward's VALU does
+# the running max, the exp2 argument, the row sum, the bf16 cast and the max/sum reductions'
+# lane work: ~5 ops (v6e/TPU7x dumps of the interior loop: 5.3 at d=128); per f32 vreg of the
+# [rows, head_dim] accumulator 2 (rescale multiply and add of p @ v). A masked tile adds the
+# iota compares and selects (dumps of the masked remainder tiles: +3.8 per score vreg), a soft
+# cap the scale / tanh work (+2.4), segment ids the id compare (+1.4); a band with two edges
+# (a sliding window) a second compare and select (+0.8). The EUP takes one exp2 per
+# score (and one tanh with a soft cap) plus one rescale exp2 per row (lane-replicated, rows/8
+# vregs). benchmarks/results/tile_model_calibration.json holds the dumps these come from.
+VALU_PER_SCORE_VREG = 5.0
+VALU_PER_ACC_VREG = 2.0
+VALU_MASK_PER_SCORE_VREG = 3.8
+VALU_SECOND_EDGE_PER_SCORE_VREG = 0.8
+VALU_SOFTCAP_PER_SCORE_VREG = 2.4
+VALU_SEGMENT_PER_SCORE_VREG = 1.4
+
+
+def fwd_tile_units(
+    gen: TpuGeneration, rows: int, cols: int, head_dim: int, softcap=False, two_edges=False
+):
+    """Per score tile of `rows` stacked query rows x `cols` keys: MXU pushes (QK^T and PV), EUP
+    pushes and VALU ops (unmasked), and the VALU ops a mask (`two_edges`: a band bounded on both
+    sides) / segment ids add."""
+    dp = _r(head_dim, NUM_LANES)
+    score_vregs = rows * cols / (NUM_SUBLANES * NUM_LANES)
+    acc_vregs = rows * dp / (NUM_SUBLANES * NUM_LANES)
+    valu = VALU_PER_SCORE_VREG * score_vregs + VALU_PER_ACC_VREG * acc_vregs
+    if softcap:
+        valu += VALU_SOFTCAP_PER_SCORE_VREG * score_vregs
+    return {
+        "mxu_pushes": mxu_pushes(gen, rows, dp, cols) + mxu_pushes(gen, rows, cols, dp),
+        "eup_pushes": int(score_vregs * (2 if softcap else 1) + rows // NUM_SUBLANES),
+        "valu_ops": valu,
+        "masked_valu_ops": (
+            VALU_MASK_PER_SCORE_VREG + (VALU_SECOND_EDGE_PER_SCORE_VREG if two_edges else 0.0)
+        )
+        * score_vregs,
+        "segment_valu_ops": VALU_SEGMENT_PER_SCORE_VREG * score_vregs,
+    }
 
 
 # -------------------------------------------------------------------------------------------------
@@ -509,7 +571,9 @@ def estimate_cost(
         tables = tile_tables(bqc, bkc)
         if tables is not None:
             hbm += tables[-1]  # the tile ranges: a whole-array SMEM copy
-        live_tiles = count_live_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)
+        live_tiles, masked_tiles = count_tiles(
+            lists, seqs, band, bq, bqc, bk, bkc, tables, segments=segments
+        )
         mxu = Hkv * live_tiles * 2 * (2 * G * bqc * bkc * dp)
         steps = Hkv * sum(it.shape[1] for it in lists)
         min_bytes = (
@@ -518,6 +582,18 @@ def estimate_cost(
             + B * num_q_heads * q_len * 4
         )
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
+        units = fwd_tile_units(
+            get_generation(generation) if not isinstance(generation, TpuGeneration) else generation,
+            G * bqc,
+            bkc,
+            D,
+            softcap=bool(softcap),
+            two_edges=band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED,
+        )
+        n_live, n_masked = Hkv * live_tiles, Hkv * masked_tiles
+        valu = n_live * units["valu_ops"] + n_masked * units["masked_valu_ops"]
+        if segments:
+            valu += n_masked * units["segment_valu_ops"]
         if calls is not None:
             elems = Hkv * live_tiles * G * bqc * bkc
             calls.append(
@@ -527,7 +603,19 @@ def estimate_cost(
                     bytes_accessed=hbm,
                 )
             )
-        return KernelCost(useful_fwd, mxu, hbm, min_bytes, steps, need)
+        return KernelCost(
+            useful_fwd,
+            mxu,
+            hbm,
+            min_bytes,
+            steps,
+            need,
+            compute_tiles=n_live,
+            masked_tiles=n_masked,
+            mxu_pushes=n_live * units["mxu_pushes"],
+            eup_pushes=n_live * units["eup_pushes"],
+            valu_ops=int(round(valu)),
+        )
 
     if pass_ != "bwd":
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")

@@ -54,6 +54,7 @@ and its denominator at 1.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,7 @@ def _paged_kernel(
     stream_pt: bool,
     token_major: bool = False,
     unpack_u32: bool = False,
+    word_stores: bool = False,
     quant: str | None = None,
     token_scales: bool = False,
     static_scales: bool = False,
@@ -269,18 +271,21 @@ def _paged_kernel(
             for c in cs:
                 c.start() if start else c.wait()
 
-        for p in range(pages_per_block):
+        # Rolled loops over the pages (one DMA descriptor per iteration): unrolled, the
+        # per-page address arithmetic was a few hundred scalar bundles in every step's code.
+        def full_page(p, carry):
+            go(copies(j, slot, p, start=start))
+            return carry
 
-            @pl.when(p < n_full)
-            def _():
-                go(copies(j, slot, p, start=start))
+        lax.fori_loop(0, n_full, full_page, 0)
+        if token_scales:
+            # A page's scales are one [Hkv, block_size] tile row: copied whole, lane-aligned
+            # (block_size is a multiple of 128).
+            def scale_page(p, carry):
+                go(scale_copies(j, slot, p, start=start))
+                return carry
 
-            if token_scales:
-                # A page's scales are one [Hkv, block_size] tile row: copied whole, lane-aligned
-                # (block_size is a multiple of 128).
-                @pl.when(p < npages)
-                def _():
-                    go(scale_copies(j, slot, p, start=start))
+            lax.fori_loop(0, npages, scale_page, 0)
 
         for size in chunk_sizes:
 
@@ -300,21 +305,25 @@ def _paged_kernel(
             def _():
                 ids_copy(1).start()
 
-    @pl.when((i == 0) & (nitems > 0))
-    def _():
-        fetch(0, 0, start=True)
+    # Start the pages of item i + 1 into the other slot while item i is computed; step 0 also
+    # starts its own. One loop over the items to start (one code copy of the DMA issue in the
+    # step: the first step's extra fetch used to be a second copy).
+    def start_item(j, carry):
+        if stream_pt:
 
-    # Prefetch the next item's pages into the other slot while this one is computed.
-    @pl.when(i + 1 < nitems)
-    def _():
-        if stream_pt:
-            ids_copy(i + 1).wait()
-        fetch(i + 1, lax.rem(i + 1, 2), start=True)
-        if stream_pt:
-            # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
-            @pl.when(i + 2 < nitems)
+            @pl.when(j > 0)  # item 0's row was waited for above
             def _():
-                ids_copy(i + 2).start()
+                ids_copy(j).wait()
+
+        fetch(j, lax.rem(j, 2), start=True)
+        return carry
+
+    lax.fori_loop(jnp.where(i == 0, 0, i + 1), jnp.minimum(i + 2, nitems), start_item, 0)
+    if stream_pt:
+        # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
+        @pl.when(i + 2 < nitems)
+        def _():
+            ids_copy(i + 2).start()
 
     qb = field("Q_BLOCK", i)
     prev_qb = field("Q_BLOCK", jnp.maximum(i - 1, 0))
@@ -322,17 +331,31 @@ def _paged_kernel(
     first_of_block = (i == 0) | (qb != prev_qb)
     last_of_block = (i == max_items - 1) | (qb != next_qb)
 
+    # The q block's statistics are initialised and its output written once per q block, in
+    # rolled loops over `row_chunk` rows: straight-line, they were ~1000 bundles of the grid
+    # step's code (a decode call has one q block for hundreds of steps).
+    row_chunk = math.gcd(rows, 16)
+    if o_ref.dtype.itemsize < 4 and row_chunk % tiling.row_tile(o_ref.dtype):
+        row_chunk = rows  # a packed output tile would be split: one straight-line pass
+    n_chunks = rows // row_chunk
+
     @pl.when(first_of_block)
     def _():
-        if sinks:
-            # The sink is one more score per query row whose value contributes nothing: start the
-            # running max at it and the denominator at exp(sink - sink) = 1.
-            m_ref[...] = sink_ref[...]
-            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        def init(c, carry):
+            r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
+            shape = (num_kv_heads, row_chunk, 1)
+            if sinks:
+                # The sink is one more score per query row whose value contributes nothing:
+                # start the running max at it and the denominator at exp(sink - sink) = 1.
+                m_ref[:, r, :] = sink_ref[:, r, :]
+                l_ref[:, r, :] = jnp.ones(shape, jnp.float32)
+            else:
+                m_ref[:, r, :] = jnp.full(shape, NEG, jnp.float32)
+                l_ref[:, r, :] = jnp.zeros(shape, jnp.float32)
+            acc_ref[:, r, :] = jnp.zeros((num_kv_heads, row_chunk, head_dim), jnp.float32)
+            return carry
+
+        lax.fori_loop(0, n_chunks, init, 0)
 
     seq = jnp.maximum(field("SEQ", i), 0)
     first_page = field("FIRST_PAGE", i)
@@ -344,6 +367,48 @@ def _paged_kernel(
     blk_tok0 = qb * block_q
     r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
     r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
+
+    def zero_stale_values():
+        """Zero the value rows of this item's slot past its valid keys (past kv_len in the last
+        page, and page slots the item did not fill): they may hold anything (NaN in TPU
+        interpret mode) and 0 * garbage must not reach the accumulator. Done once per item in
+        VMEM, only for the pages concerned (a loop with no trips for an item of full pages),
+        instead of a select over every head's values in the compute path. Keys need nothing:
+        their scores are replaced by a select."""
+        n_valid = jnp.minimum(npages * page_size, kv_len - first_page * page_size)
+
+        def page(p, carry):
+            valid = n_valid - p * page_size  # valid tokens of page slot p (<= 0: none)
+            if token_major:
+                _zero_token_major_page(bufs[n_arr - 1], slot, p, valid)
+            else:
+                keep = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0) < valid
+                for h in range(num_kv_heads):
+                    arr, idx = (0, 2 * h + 1) if n_arr == 1 else (1, h)
+                    x = bufs[arr][slot, p, idx]
+                    bufs[arr][slot, p, idx] = jnp.where(keep, x, jnp.zeros_like(x))
+            return carry
+
+        lax.fori_loop(lax.div(n_valid, page_size), pages_per_block, page, 0)
+
+    def _zero_token_major_page(buf, slot, p, valid):
+        """Token-major page slot p (rows t * Hkv + h): rows of tokens >= valid set to zero. Where
+        a 32-bit word holds whole tokens (8-bit pages: 4 heads of a token; bf16 with an even
+        number of heads: 2), the rows are zeroed as uint32 words, so no 8- or 16-bit select is
+        needed (compiled kernels only: the interpreters cannot store through a bitcast ref)."""
+        pack = 4 // buf.dtype.itemsize
+        if word_stores and pack > 1 and num_kv_heads % pack == 0:
+            words = page_rows // pack
+            view = buf.bitcast(jnp.uint32)
+            start = pl.multiple_of(p * words, 8)
+            x = view[slot, pl.ds(start, words), :]
+            keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) * pack < valid * num_kv_heads
+            view[slot, pl.ds(start, words), :] = jnp.where(keep, x, jnp.zeros_like(x))
+            return
+        start = pl.multiple_of(p * page_rows, tiling.row_tile(buf.dtype))
+        x = buf[slot, pl.ds(start, page_rows), :]
+        keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid * num_kv_heads
+        buf[slot, pl.ds(start, page_rows), :] = jnp.where(keep, x, jnp.zeros_like(x))
 
     def compute(r0, nr: int):
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
@@ -357,24 +422,25 @@ def _paged_kernel(
             mask &= kpos <= qpos
             if sliding_window is not None:
                 mask &= qpos - kpos < sliding_window
-        v_ok = (jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0) < npages * page_size) & (
-            first_page * page_size + jax.lax.broadcasted_iota(jnp.int32, (kv_tok, head_dim), 0)
-            < kv_len
-        )
         words = {}
-        for h in range(num_kv_heads):
+
+        def head_kv(h):
             if token_major:
                 k = _token_major_head(bufs[0], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 0)
                 v = _token_major_head(bufs[1], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 1)
+                return k, v
+            if n_arr == 1:
+                k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
             else:
-                if n_arr == 1:
-                    k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
-                else:
-                    k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
-                # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
-                # sublane tile, so this merge is free.
-                k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
-                v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
+                k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
+            # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
+            # sublane tile, so this merge is free.
+            k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
+            v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
+            return k, v
+
+        def scores(h):
+            k, v = head_kv(h)
             q = q_ref[h, pl.ds(r0, nr), :]
             if quant is not None:
                 q = q.astype(k.dtype)
@@ -390,15 +456,14 @@ def _paged_kernel(
                 s = s * scale_bufs[0][slot, pl.ds(h, 1), :]  # [1, kv_tok]: one scale per key
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask, s, NEG)
+            return jnp.where(mask, s, NEG), v
+
+        def update(h, s, v):
             m_prev = m_ref[h, pl.ds(r0, nr), :]
             l_prev = l_ref[h, pl.ds(r0, nr), :]
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-            # Pages past kv_len, and page slots this item did not fill, may hold anything (NaN in
-            # TPU interpret mode): zero them so that 0 * garbage cannot reach the accumulator.
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))
             l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
             if token_scales:
                 # V's per-key scales fold into the probabilities (masked: stale slots hold NaN).
@@ -412,11 +477,31 @@ def _paged_kernel(
             l_ref[h, pl.ds(r0, nr), :] = l_new
             acc_ref[h, pl.ds(r0, nr), :] = alpha * acc_ref[h, pl.ds(r0, nr), :] + pv
 
+        # Each MXU runs its pushes and matmuls in program order, so head h + 1's key push and
+        # score matmul are traced before head h's probability matmul: they then fill the MXUs
+        # while head h's softmax runs on the vector units (in head order, h + 1 would wait for
+        # h's softmax; the decode step was that chain, 8 heads long). A few rows only (the decode
+        # path): two heads' scores of a whole q block would not fit in registers. Not for 8-bit
+        # pages: two heads' unpacked words in flight overran the 32 MiB scoped VMEM on TPU7x.
+        lookahead = nr <= 2 * tiling.NARROW_ROWS and quant is None
+        pending = None
+        for h in range(num_kv_heads):
+            cur = scores(h)
+            if not lookahead:
+                update(h, *cur)
+                continue
+            if pending is not None:
+                update(h - 1, *pending)
+            pending = cur
+        if pending is not None:
+            update(num_kv_heads - 1, *pending)
+
     active = (i < nitems) & (npages > 0)
 
     @pl.when(active)
     def _():
         fetch(i, slot, start=False)
+        zero_stale_values()
 
     if narrow < rows:
         # Non-negative operands: truncating division (Mosaic has no floor division lowering for
@@ -438,8 +523,13 @@ def _paged_kernel(
 
     @pl.when(last_of_block)
     def _():
-        l = l_ref[...]
-        o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+        def finish(c, carry):
+            r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
+            l = l_ref[:, r, :]
+            o_ref[:, r, :] = (acc_ref[:, r, :] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, n_chunks, finish, 0)
 
 
 def token_major_supported(kv_dtype, num_kv_heads: int, page_size: int | None = None) -> bool:
@@ -763,6 +853,7 @@ def _attention(
         stream_pt=stream_pt,
         token_major=token_major,
         unpack_u32=not _tpu_interpret_mode(interpret),
+        word_stores=not interpret and not _tpu_interpret_mode(interpret),
         quant=quant,
         token_scales=token_scales is not None,
         static_scales=head_scales is not None,

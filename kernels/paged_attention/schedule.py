@@ -124,6 +124,21 @@ def build_work_list(
     return work, total.astype(xp.int32)
 
 
+def compute_path(
+    q_start: int, q_end: int, q_block: int, *, block_q: int, group: int, narrow: int
+) -> int:
+    """Which compute path the kernel runs an item on (kernel.py's two `compute` calls, in that
+    program order): 0 = the narrow path, when the sequence's rows of the q block (tokens
+    [q_start, q_end) of the packed batch, `group` rows each) sit in one `narrow`-row slice (a
+    decode token's G heads), 1 = the whole q block. With narrow >= block_q * group the kernel
+    compiles no narrow path and every item takes the whole block."""
+    rows = block_q * group
+    b0 = q_block * block_q
+    r_lo = (max(q_start, b0) - b0) * group
+    r_hi = (min(q_end, b0 + block_q) - b0) * group
+    return 0 if narrow < rows and r_lo // narrow == (r_hi - 1) // narrow else 1
+
+
 def host_work_list(
     q_lens,
     kv_lens,
@@ -156,4 +171,4 @@ def host_work_list(
     return [tuple(int(x) for x in work[:, j]) for j in range(int(total))]
 
 
-__all__ = ["LAYOUT", "build_work_list", "host_work_list", "max_items_bound"]
+__all__ = ["LAYOUT", "build_work_list", "compute_path", "host_work_list", "max_items_bound"]

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from . import tpu_generations as _generations
-from .schedule import LAYOUT, host_work_list, max_items_bound
+from .schedule import LAYOUT, compute_path, host_work_list, max_items_bound
 from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
 
 MiB = 1 << 20
@@ -137,7 +137,10 @@ def vmem_need_bytes(
     q_out = 2 * 2 * num_kv_heads * rows * head_dim * _itemsize(q_dtype)
     acc = num_kv_heads * rows * head_dim * 4
     stats = 2 * num_kv_heads * rows * _NEG_LANES * 4
-    temps = 3 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
+    # f32 scores, probabilities and their exp/mask temporaries of one head (four [rows,
+    # kv_tokens] arrays: with three, the compiled 512 x 1024 block of a mixed batch on v6e
+    # overran the limit asked for by ~0.1 MiB), and one head's keys and values widened.
+    temps = 4 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
     scales = 2 * 2 * _round_up(num_kv_heads, 8) * kv_tokens * 4 if token_scales else 0
     sink_rows = 2 * num_kv_heads * rows * _NEG_LANES * 4 if sinks else 0
     return kv_slots + q_out + acc + stats + temps + scales + sink_rows
@@ -187,8 +190,14 @@ def choose_config(
     # cost (one step per KV block); large q blocks cut how often a long prefill's KV is re-read
     # (once per q block). Decode items take the narrow path whatever the q block, and a q block
     # never exceeds the batch's tokens, so decode-only batches get small q blocks for free.
-    prefs = [(r, t) for t in (1024, 512) for r in (1024, 512)]
-    prefs += [(r, t) for t in (1024, 512, 256, 128) for r in (256, 128)]
+    # 1024-token KV blocks come first down to 256-row q blocks: in a mixed batch the decode
+    # items (one per KV block) outnumber the prefill's, and halving the KV block doubles them,
+    # while halving the q block only doubles the prefill's KV reads, which its compute hides
+    # (TPU7x's 24 MiB budget, mixed batch of 63 decodes + 2048 prefill: 632 busy steps at
+    # 64 x 8 pages instead of 1256 at 128 x 4, compiled schedule in benchmarks/results).
+    prefs = [(r, 1024) for r in (1024, 512, 256)]
+    prefs += [(r, 512) for r in (1024, 512, 256)]
+    prefs += [(r, t) for t in (256, 128) for r in (256, 128)]
     prefs += [(16 * group, t) for t in (128, 64, 32, 16)]
     candidates = [
         (
@@ -359,9 +368,8 @@ def traffic(
     for b, s, _start, npages in items:
         if npages == 0:
             continue
-        r_lo = (max(cu[s], b * bq) - b * bq) * group
-        r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
-        issued_rows = nr if (nr < rows and r_lo // nr == (r_hi - 1) // nr) else rows
+        path = compute_path(int(cu[s]), int(cu[s + 1]), b, block_q=bq, group=group, narrow=nr)
+        issued_rows = rows if path else nr
         mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
     separate_kv = separate_kv or token_major  # token-major caches are always K and V apart
     listed_pages = sum(npages for (_, _, _, npages) in items)
@@ -534,6 +542,7 @@ __all__ = [
     "PagedAttentionConfig",
     "choose_config",
     "choose_tiles",
+    "compute_path",
     "estimate_cost",
     "max_items_bound",
     "traffic",

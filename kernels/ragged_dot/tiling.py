@@ -220,13 +220,21 @@ def vmem_budget_bytes(gen: TpuGeneration) -> int:
     return _generations.vmem_budget_bytes(gen, "ragged_dot")
 
 
-def _dim_candidates(size: int) -> list[int]:
-    """Legal tiles along a lane dimension: the whole dimension, and the multiples of 128 from 256
-    to 4096 below it that divide it (no tail); non-dividing 512 / 256 only when no divisor exists
-    (the kernel masks a K tail; an N tail is clipped at write-back)."""
+def _dim_candidates(size: int, halves: bool = False) -> list[int]:
+    """Legal tiles along a lane dimension: the whole dimension, and the powers of two from 256
+    to 4096 below it that divide it (no tail); with `halves` (gmm's N), also its half and quarter
+    when it is above 4096 with no such divisor of 2048 or more (multiples of 128 only);
+    non-dividing 512 / 256 only when no divisor exists (the kernel masks a K tail; an N tail is
+    clipped at write-back)."""
     cands = [size]
     divisors = [c for c in (4096, 2048, 1024, 512, 256) if c < size and size % c == 0]
     cands += divisors
+    if halves and size > 4096 and not any(d >= 2048 for d in divisors):
+        # N like 7168 (7 x 1024) has no power-of-two divisor of 2048 or more: its half and
+        # quarter (3584, 1792) are fewer passes over lhs (DeepSeek-V3's down projection reads lhs
+        # 7 times at tn = 1024, twice at 3584; the weights stream once either way). Not along K:
+        # a K split re-reads each item's lhs and weight blocks per K block.
+        cands += [size // f for f in (2, 4) if size % (128 * f) == 0]
     if size > 512 and not divisors:
         cands += [512, 256]
     return cands
@@ -343,7 +351,8 @@ def gmm_tiling(
     def traffic(tm, tk, tn, items):
         return _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout)
 
-    tn_cands = extra = None
+    tn_cands = _dim_candidates(n, halves=True)
+    extra = None
     if gate_layout is not None:
         tn_cands = _gated_tn_candidates(n, gate_layout)
 
