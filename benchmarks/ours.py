@@ -70,9 +70,9 @@ class RaggedDot(Adapter):
     def small_tiles(self):
         return self.mod.tiling.GmmTiling(tm=16, tk=128, tn=128)
 
-    def cost(self, shape, generation, tiles=None):
-        # The kernel's own choice: gmm picks its tiles knowing the number of groups.
-        t = tiles or self.mod.tiling.gmm_tiling(
+    def tiles(self, shape, generation):
+        """The kernel's own choice: gmm picks its tiles knowing the number of groups."""
+        return self.mod.tiling.gmm_tiling(
             shape.m,
             shape.k,
             shape.n,
@@ -82,6 +82,9 @@ class RaggedDot(Adapter):
             num_groups=shape.experts,
             generation=generation,
         )
+
+    def cost(self, shape, generation, tiles=None):
+        t = tiles or self.tiles(shape, generation)
         c = self.mod.tiling.estimate_cost(
             "gmm",
             (shape.m, shape.k),
@@ -133,17 +136,7 @@ class RaggedDot(Adapter):
         chunks: it runs `chunks` times per tail, so each tail counts `chunks` region runs (the
         region's few bundles around that loop are then counted `chunks` times: a slight
         overcount)."""
-        T = self.mod.tiling
-        t = T.gmm_tiling(
-            shape.m,
-            shape.k,
-            shape.n,
-            shape.dtype,
-            shape.dtype,
-            shape.dtype,
-            num_groups=shape.experts,
-            generation=generation,
-        )
+        t = self.tiles(shape, generation)
         return gmm_trips(self.mod, shape.group_sizes, shape.m, shape.k, shape.n, shape.dtype, t)
 
 
