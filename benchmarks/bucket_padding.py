@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -444,15 +443,11 @@ def _fingerprint(generation, op, args) -> str | None:
         import schedule_rows
         import tpu_compile
 
-        lower = tpu_compile.lower_for
-        canonical, body = schedule_rows._canonical_mosaic, schedule_rows._MOSAIC_BODY
         fn, avals = _target(generation, op, args)
         with jax.default_device(tpu_compile.tpu_device(generation)):
-            text = lower(generation, fn, *avals).as_text(debug_info=False)
-        text = body.sub(lambda m: canonical(m.group(1)), text)
+            return schedule_rows.lowered_fingerprint(tpu_compile.lower_for(generation, fn, *avals))
     except Exception:
         return None
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -472,27 +467,15 @@ def _source_hash(op) -> str:
 
 
 def _load_cache() -> dict:
-    for _ in range(20):
-        try:
-            return json.loads(CACHE.read_text())
-        except OSError:
-            return {}
-        except ValueError:  # a writer is replacing it
-            time.sleep(0.5)
-    return {}
+    import schedule_rows
+
+    return schedule_rows._load_cache(CACHE)
 
 
 def _save_entry(key, entry) -> None:
-    import fcntl
-    import tempfile
+    import schedule_rows
 
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    with open(Path(tempfile.gettempdir()) / "bucket_schedule_cache.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        merged = {**_load_cache(), key: entry}
-        tmp = CACHE.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, CACHE)
+    schedule_rows._save_cache({key: entry}, CACHE)
 
 
 def _compile(side: Side, generation) -> dict:

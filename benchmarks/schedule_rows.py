@@ -153,10 +153,10 @@ def lowered_fingerprint(lowered) -> str:
     return h.hexdigest()[:24]
 
 
-def _load_cache() -> dict:
+def _load_cache(path: Path = CACHE) -> dict:
     for _ in range(20):  # another benchmark process may be writing it: retry a torn read
         try:
-            return json.loads(CACHE.read_text())
+            return json.loads(path.read_text())
         except OSError:
             return {}
         except ValueError:
@@ -164,16 +164,16 @@ def _load_cache() -> dict:
     return {}
 
 
-def _save_cache(cache: dict) -> None:
+def _save_cache(cache: dict, path: Path = CACHE) -> None:
     """Merge into the file as it is now (other processes may have added entries) and replace it
     atomically."""
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    with open(CACHE.with_suffix(".lock"), "w") as lock:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two writers must not drop each other's entries
-        merged = {**_load_cache(), **cache}
-        tmp = CACHE.with_suffix(f".{os.getpid()}.tmp")
+        merged = {**_load_cache(path), **cache}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, CACHE)
+        os.replace(tmp, path)
 
 
 def read_schedule(

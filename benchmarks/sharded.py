@@ -223,23 +223,8 @@ def paged_kernel_bytes(tp: int, generation: str, shape=LLAMA3_8B) -> int:
 # Collectives in a compiled HLO module
 # -------------------------------------------------------------------------------------------------
 
-DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
+from llo_schedule import DTYPE_BYTES  # noqa: E402  (HLO dtype -> bytes, one table)
+
 COLLECTIVE_OPS = (
     "ragged-all-to-all",
     "all-to-all",
