@@ -19,6 +19,7 @@ can check the closed form exactly against the DMA counter), and what to compile 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -114,10 +115,17 @@ def gmm_large_tiling(shape):
 
 def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
     """megablox gmm's traffic from its index maps over its visit list (bf16 out by default)."""
+    return _gmm_walk(shape, tiling, gmm_metadata(shape.group_sizes, shape.m, tiling[0]), out_dtype)
+
+
+def _gmm_walk(shape, tiling, metadata, out_dtype=None, lhs_buffers: int = 2):
+    """The megablox-scheme gmm (megablox's and tokamax's kernels share it): grid (N tiles,
+    visits, K tiles) over the visit list `metadata` = (group_ids, m_tile_ids, visits); lhs
+    [tm, tk] of the visit's m tile, rhs [tk, tn] of its group, out [tm, tn] of its m tile."""
     tm, tk, tn = tiling
     isz = itemsize(shape.dtype)
     osz = itemsize(out_dtype or shape.dtype)
-    group_ids, m_tile_ids, visits = gmm_metadata(shape.group_sizes, shape.m, tm)
+    group_ids, m_tile_ids, visits = metadata
     tiles_k, tiles_n = math.ceil(shape.k / tk), math.ceil(shape.n / tn)
     grid = (tiles_n, visits, tiles_k)
     ops = [
@@ -133,8 +141,8 @@ def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
         hbm_bytes=p["read"] + p["write"],
         min_hbm_bytes=gmm_min_bytes(shape),
         grid_steps=steps,
-        # double-buffered lhs, rhs and out blocks + the f32 accumulator
-        vmem_bytes=2 * (tm * tk + tk * tn) * isz + 2 * tm * tn * osz + tm * tn * 4,
+        # lhs blocks (`lhs_buffers` deep), double-buffered rhs and out + the f32 accumulator
+        vmem_bytes=(lhs_buffers * tm * tk + 2 * tk * tn) * isz + 2 * tm * tn * osz + tm * tn * 4,
     )
     return cost, {"tiling": list(tiling), "row_tile_visits": visits}
 
@@ -174,6 +182,191 @@ def gmm_compile_args(shape, tiling=GMM_TILING, out_dtype: str | None = None):
         return mg.gmm(lhs, rhs, gs, preferred_element_type=out_dtype, tiling=tiling)
 
     return fn, [
+        ((shape.m, shape.k), dt),
+        ((shape.experts, shape.k, shape.n), dt),
+        ((shape.experts,), jnp.int32),
+    ]
+
+
+# -------------------------------------------------------------------------------------------------
+# tokamax's TPU gmm (tokamax 0.0.12 from `.tokamax/`, the kernel kernels-community/ragged-dot-tpu
+# runs), imported as benchmarks/validate_schedule.py imports it
+# -------------------------------------------------------------------------------------------------
+
+# Where the anchor's tiles come from, most specific first.
+TOKAMAX_TILING_SOURCES = {
+    "published": "the best config in tokamax's published TPU autotune data for this shape and "
+    "generation",
+    "table": "tokamax's own tuned table for this shape (GMM_TILING_TUNED_LUT)",
+    "default": "tokamax's default Config (the shape is in neither its published data for this "
+    "generation nor its tuned table)",
+}
+
+
+def _validate_schedule():
+    import validate_schedule  # benchmarks/, like this module
+
+    return validate_schedule
+
+
+def tokamax_gmm_kernel():
+    """tokamax's `pallas_mosaic_tpu_kernel` module (its `gmm` and `make_group_metadata`)."""
+    return _validate_schedule()._ragged_kernel_module()
+
+
+def _tokamax_op_module():
+    """tokamax's ragged-dot op module, read for its tiling table and Config defaults only. It
+    imports qwix (not installed): the kernel's import puts validate_schedule's stand-in first."""
+    tokamax_gmm_kernel()
+    return _validate_schedule()._tokamax_import("_src.ops.ragged_dot.pallas_mosaic_tpu")
+
+
+@functools.cache
+def _tokamax_published_fwd():
+    """tokamax's published forward gmm rows (validate_schedule.load_ragged_rows); none when the
+    data is not there."""
+    vs = _validate_schedule()
+    path = vs.DATA / "tokamax_ragged_dot_autotune_derived.csv"
+    if not path.exists():
+        return ()
+    return tuple(r for r in vs.load_ragged_rows(path) if r.kind == "fwd")
+
+
+def tokamax_gmm_config(shape, generation: str) -> dict:
+    """tokamax's gmm configuration for `shape` on `generation`: the fastest config its published
+    autotune data has for exactly this forward shape on this generation; otherwise what its op
+    picks without autotuning (`PallasMosaicTpuRaggedDot._get_heuristics_config`: its tuned table
+    keyed by (m, k, n, groups, quantised), else `Config()`'s defaults). {"tiling", "buffers"
+    (lhs input buffers), "source" (a key of TOKAMAX_TILING_SOURCES), "published_ms"}."""
+    lhs, rhs = (shape.m, shape.k), (shape.experts, shape.k, shape.n)
+    published = [
+        r
+        for r in _tokamax_published_fwd()
+        if shape.dtype == "bfloat16" and r.gen == generation and r.lhs == lhs and r.rhs == rhs
+    ]
+    if published:
+        best = min(published, key=lambda r: r.ms)
+        c = best.cfg
+        return {
+            "tiling": (int(c["tile_m"]), int(c["tile_k"]), int(c["tile_n"])),
+            "buffers": int(c.get("input_buffer_count", 2)),
+            "source": "published",
+            "published_ms": best.ms,
+        }
+    op = _tokamax_op_module()
+    hit = op.GMM_TILING_TUNED_LUT.get((shape.m, shape.k, shape.n, shape.experts, False))
+    if hit is not None:
+        tiles, buffers = hit
+        return {"tiling": tuple(tiles), "buffers": buffers, "source": "table", "published_ms": None}
+    d = op.Config()
+    return {
+        "tiling": (d.tile_m, d.tile_k, d.tile_n),
+        "buffers": d.input_buffer_count,
+        "source": "default",
+        "published_ms": None,
+    }
+
+
+def tokamax_gmm_unsupported(shape, tiling) -> str | None:
+    """Why tokamax's gmm cannot run `shape` at `tiling`, or None. Its op refuses any of m, k, n
+    under 128; its work list needs m divisible by tile_m. (It has no bias and, through this op,
+    no int8/fp8 weights either: no benchmark shape asks for them.)"""
+    if min(shape.m, shape.k, shape.n) < 128:
+        dims = f"m, k, n = {shape.m}, {shape.k}, {shape.n}"
+        return f"tokamax's op refuses dimensions under 128 ({dims})"
+    if shape.m % tiling[0]:
+        return f"tokamax's gmm needs m divisible by tile_m ({shape.m} rows, tile_m {tiling[0]})"
+    return None
+
+
+def tokamax_gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
+    """tokamax's own visit list (its make_group_metadata): (group_ids, m_tile_ids, visits)."""
+    import jax.numpy as jnp
+
+    (_, group_ids, m_tile_ids), num_tiles = tokamax_gmm_kernel().make_group_metadata(
+        group_sizes=jnp.asarray(group_sizes, jnp.int32),
+        m=m,
+        tm=tm,
+        start_group=jnp.int32(0),
+        num_nonzero_groups=len(group_sizes),
+        visit_empty_groups=False,
+    )
+    return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
+
+
+def tokamax_gmm_cost(shape, generation: str, config: dict | None = None):
+    """tokamax's gmm traffic: one pallas_call whose body runs `emit_pipeline` over the grid
+    (N tiles, visits, K tiles) with megablox's index maps over its own visit list, so a pipeline
+    step is a grid step of the megablox scheme (the lhs block `buffers` deep)."""
+    cfg = config or tokamax_gmm_config(shape, generation)
+    tiling = tuple(cfg["tiling"])
+    meta = tokamax_gmm_metadata(shape.group_sizes, shape.m, tiling[0])
+    cost, info = _gmm_walk(shape, tiling, meta, lhs_buffers=cfg["buffers"])
+    info.update(
+        input_buffer_count=cfg["buffers"],
+        tiling_source=cfg.get("source"),
+        notes=[f"{shape.name}: tiles {tokamax_tiles_by_generation(shape)}"],
+    )
+    return cost, info
+
+
+def tokamax_tiles_by_generation(shape) -> str:
+    """'v5e 1024x512x1024 (published), v6e 128x128x128 (default), ...': the row's tiles."""
+    from tpu_generations import TESTED_GENERATIONS
+
+    cfgs = {g: tokamax_gmm_config(shape, g) for g in TESTED_GENERATIONS}
+    return ", ".join(
+        f"{g} {'x'.join(map(str, c['tiling']))} ({c['source']})" for g, c in cfgs.items()
+    )
+
+
+def _tokamax_gmm_fn(shape, config: dict, interpret: bool, jitted: bool):
+    import jax
+
+    rk = tokamax_gmm_kernel()
+    gmm = rk.gmm if jitted else rk.gmm.__wrapped__
+    out_dtype = _jnp_dtype(shape.dtype)
+
+    def fn(lhs, rhs, gs):
+        return gmm(
+            lhs,
+            rhs,
+            gs,
+            # bf16 operands, f32 accumulation: what tokamax's op and benchmark pass for bf16
+            precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+            out_dtype=out_dtype,
+            tiling=tuple(config["tiling"]),
+            input_buffer_count=config["buffers"],
+            interpret=interpret,
+        )
+
+    return fn
+
+
+def tokamax_gmm_call(shape, config: dict, interpret: bool = True):
+    """(fn, args): tokamax's gmm on random data of `shape` at `config`; without its jit and with
+    concrete group sizes its pipeline's trip count is a Python value, so it interprets."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(4)
+    dt = _jnp_dtype(shape.dtype)
+    lhs = jax.random.normal(key, (shape.m, shape.k), jnp.float32).astype(dt)
+    rhs = jax.random.normal(
+        jax.random.fold_in(key, 1), (shape.experts, shape.k, shape.n), jnp.float32
+    ).astype(dt)
+    gs = jnp.asarray(shape.group_sizes, jnp.int32)
+    return _tokamax_gmm_fn(shape, config, interpret, jitted=False), (lhs, rhs, gs)
+
+
+def tokamax_gmm_compile_args(shape, generation: str, config: dict | None = None):
+    """(fn, avals) for the deviceless compile: tokamax's jitted gmm at its tiles for
+    `generation`, group sizes traced as in real use."""
+    import jax.numpy as jnp
+
+    cfg = config or tokamax_gmm_config(shape, generation)
+    dt = _jnp_dtype(shape.dtype)
+    return _tokamax_gmm_fn(shape, cfg, interpret=False, jitted=True), [
         ((shape.m, shape.k), dt),
         ((shape.experts, shape.k, shape.n), dt),
         ((shape.experts,), jnp.int32),

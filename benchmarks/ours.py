@@ -255,11 +255,10 @@ class FlashAttention(Adapter):
         return flash_branch_pushes(self.cost(shape, generation)[0])
 
     def _fn(self, shape, generation, tiles=None):
-        import jax.numpy as jnp
-
         fwd = self.mod.kernel.flash_attention_fwd
         ids = shape.segment_ids()
-        rows = None if ids is None else jnp.broadcast_to(jnp.asarray(ids), (shape.batch, shape.seq))
+        # numpy, not jnp: built eagerly, a jax array would need a device (none in a deviceless lowering)
+        rows = None if ids is None else np.broadcast_to(np.asarray(ids), (shape.batch, shape.seq))
 
         def fn(q, k, v):
             o, _ = fwd(

@@ -18,20 +18,39 @@ SMALL_GMM_TILING = (16, 128, 128)  # megablox tiling for the small shapes (rows 
 
 
 class Anchor:
-    """One anchor configuration. `tiling(shape, small)` (ragged dot only) picks its tiles."""
+    """One anchor configuration. `tiling(shape, small)` (ragged dot only) picks its tiles. An
+    anchor whose configuration depends on the chip (`per_generation`) gets the generation as
+    its functions' second argument instead (the headline generation where none is named), and
+    `unsupported(shape, generation)` says why it cannot run a shape (None: it can). A
+    `named_only` anchor has no rows in the small-shape section."""
 
     def __init__(
-        self, kind, impl, label, cost, call, compile_args, interpretable, method, tiling=None
+        self,
+        kind,
+        impl,
+        label,
+        cost,
+        call,
+        compile_args,
+        interpretable,
+        method,
+        tiling=None,
+        per_generation=False,
+        named_only=False,
+        unsupported=None,
     ):
         self.kind, self.impl, self.label, self._cost, self._call = kind, impl, label, cost, call
         self._compile_args, self.interpretable, self.method = compile_args, interpretable, method
-        self._tiling = tiling
+        self._tiling, self.per_generation, self.named_only = tiling, per_generation, named_only
+        self._unsupported = unsupported
 
-    def _args(self, shape, small):
+    def _args(self, shape, small, generation=None):
+        if self.per_generation:
+            return (generation or HEADLINE_GEN,)
         return (self._tiling(shape, small),) if self._tiling else ()
 
-    def cost(self, shape, small):
-        c, d = self._cost(shape, *self._args(shape, small))
+    def cost(self, shape, small, generation=None):
+        c, d = self._cost(shape, *self._args(shape, small, generation))
         info = {"notes": d.get("notes", [])}
         info.update({k: v for k, v in d.items() if k != "notes"})
         if self._tiling:
@@ -39,11 +58,14 @@ class Anchor:
             info["tiling"] = list(t) if isinstance(t, tuple) else t
         return c, info
 
-    def call(self, shape, small):
-        return self._call(shape, *self._args(shape, small))
+    def call(self, shape, small, generation=None):
+        return self._call(shape, *self._args(shape, small, generation))
 
-    def compile_args(self, shape):
-        return self._compile_args(shape, *self._args(shape, False))
+    def compile_args(self, shape, generation=None):
+        return self._compile_args(shape, *self._args(shape, False, generation))
+
+    def unsupported(self, shape, generation=None) -> str | None:
+        return self._unsupported(shape, generation or HEADLINE_GEN) if self._unsupported else None
 
 
 _GMM_METHOD = (
@@ -78,6 +100,26 @@ ANCHORS = {
             _GMM_METHOD,
             tiling=lambda s, small: (
                 (SMALL_GMM_TILING[0], s.k, s.n) if small else anchors.gmm_large_tiling(s)
+            ),
+        ),
+        Anchor(
+            "ragged_dot",
+            "anchor:tokamax_gmm",
+            "tokamax gmm (its published best tiles, else its own default)",
+            anchors.tokamax_gmm_cost,
+            lambda s, g: anchors.tokamax_gmm_call(s, anchors.tokamax_gmm_config(s, g)),
+            anchors.tokamax_gmm_compile_args,
+            True,
+            "tokamax 0.0.12's pallas_mosaic_tpu gmm (one pallas_call running emit_pipeline "
+            "over megablox's grid and index maps); closed form over its own make_group_metadata "
+            "visit list, checked against the TPU interpreter at a small shape "
+            "(tests/test_benchmarks.py). Tiles per generation: "
+            + "; else ".join(anchors.TOKAMAX_TILING_SOURCES.values()),
+            per_generation=True,
+            # its op refuses dimensions under 128: the small shapes have 32 rows
+            named_only=True,
+            unsupported=lambda s, g: anchors.tokamax_gmm_unsupported(
+                s, anchors.tokamax_gmm_config(s, g)["tiling"]
             ),
         ),
     ],
@@ -135,9 +177,10 @@ def anchor(kind, impl) -> Anchor:
     return next(a for a in ANCHORS[kind] if a.impl == impl)
 
 
-def impls(kind) -> list[str]:
-    """The row implementations of a kernel, in table order: its anchors, then ours."""
-    return [a.impl for a in ANCHORS[kind]] + ["ours"]
+def impls(kind, named: bool = False) -> list[str]:
+    """The row implementations of a kernel in the small-shape section (`named`: in the named
+    section), in table order: its anchors, then ours."""
+    return [a.impl for a in ANCHORS[kind] if named or not a.named_only] + ["ours"]
 
 
 def problem_minimum(kind, shape):

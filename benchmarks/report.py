@@ -272,6 +272,11 @@ def markdown(results: dict) -> str:
             for (_, shape), grp in _groups(rows).items():
                 ours_r = next((r for r in grp if r["impl"] == "ours"), None)
                 for r in grp:
+                    if r.get("unsupported"):  # an anchor that cannot run this shape anywhere
+                        cells = [shape, r["label"], _fmt_int(r["useful_flops"])]
+                        cells += [f"n/a: {r['unsupported']}"] + ["n/a"] * (len(head) - 4)
+                        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+                        continue
                     cells = [
                         shape,
                         r["label"],
@@ -365,7 +370,7 @@ def plots(results: dict, outdir: Path) -> list[str]:
             xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(names))]
             byt, frac = [], []
             for grp in groups.values():
-                r = next((r for r in grp if r["impl"] == impl), None)
+                r = next((r for r in grp if r["impl"] == impl and "unsupported" not in r), None)
                 byt.append(r["hbm_bytes"] / r["min_hbm_bytes"] if r else 0)
                 frac.append(
                     (r["per_generation"][HEADLINE_GEN]["fraction_of_roofline"] or 0) if r else 0

@@ -191,6 +191,8 @@ def retime(section: dict, log, old_rows=None) -> None:
         if shape is None:
             continue
         for g, pg in r["per_generation"].items():
+            if "unsupported" in pg:
+                continue  # the anchor cannot run the shape there: n/a
             # no compile result yet (or "not in the cache" from a --cache-only run)
             unknown = (pg.get("compile") or {}).get("compiles") is None
             if unknown and r["impl"] != "ours":
@@ -218,6 +220,8 @@ def retime(section: dict, log, old_rows=None) -> None:
             info = r["info"]
             if r["impl"] == "ours":
                 info = ours.ADAPTERS[r["kernel"]].cost(shape, g)[1]
+            elif registry.anchor(r["kernel"], r["impl"]).per_generation:
+                info = registry.anchor(r["kernel"], r["impl"]).cost(shape, False, g)[1]
             sched = schedule_rows.schedule_entry(
                 r["kernel"], r["impl"], shape, g, cost, info, cache_only=True
             )
@@ -234,6 +238,24 @@ def _old_compile(old_rows, kind, shape_name, impl, g):
         if (r["kernel"], r["shape"], r["impl"]) == (kind, shape_name, impl):
             return r.get("per_generation", {}).get(g, {}).get("compile")
     return None
+
+
+def _unsupported_row(kind, shape, impl, a, min_bytes, useful, unsupported) -> dict:
+    """The row of an anchor that cannot run the shape on any generation: n/a, with the reason."""
+    why = "; ".join(sorted(set(unsupported.values())))
+    return {
+        "kernel": kind,
+        "shape": shape.name,
+        "impl": impl,
+        "label": a.label,
+        "method": a.method,
+        "useful_flops": int(useful),
+        "min_hbm_bytes": int(min_bytes),
+        "unsupported": why,
+        "source": "n/a",
+        "info": {"notes": [f"{shape.name}: n/a: {why}"]},
+        "per_generation": {g: {"unsupported": w} for g, w in unsupported.items()},
+    }
 
 
 def build_row(
@@ -254,11 +276,33 @@ def build_row(
     import ours
 
     min_bytes, useful = registry.problem_minimum(kind, shape)
+    unsupported = {}  # generation -> why the anchor cannot run the shape there
     if impl != "ours":
         a = registry.anchor(kind, impl)
         label, method = a.label, a.method
-        cost, info = a.cost(shape, small)
-        per_gen_cost = {g: cost for g in generations}  # its tiling does not depend on the chip
+        if a.per_generation:  # its tiles depend on the chip (tokamax's published configs)
+            unsupported = {
+                g: why for g in TESTED_GENERATIONS if (why := a.unsupported(shape, g)) is not None
+            }
+            if all(g in unsupported for g in generations):
+                return _unsupported_row(kind, shape, impl, a, min_bytes, useful, unsupported)
+            per_gen_cost, infos = {}, {}
+            for g in generations:
+                if g not in unsupported:
+                    per_gen_cost[g], infos[g] = a.cost(shape, small, g)
+            # the row's own columns: the headline generation's tiles where the anchor runs there
+            head = next(g for g in [registry.HEADLINE_GEN, *generations] if g in per_gen_cost)
+            cost, info = per_gen_cost[head], infos[head]
+            info = dict(
+                info,
+                tiling_per_generation={g: i.get("tiling") for g, i in infos.items()},
+                notes=info.get("notes", [])
+                + [f"{shape.name}: n/a on {g}: {why}" for g, why in unsupported.items()],
+            )
+        else:
+            cost, info = a.cost(shape, small)
+            per_gen_cost = {g: cost for g in generations}  # its tiling does not depend on the chip
+            infos = {g: info for g in generations}
         prefetch_in_estimate = False
     else:
         a = ours.ADAPTERS[kind]
@@ -289,6 +333,9 @@ def build_row(
         "per_generation": {},
     }
     for g in generations:
+        if g in unsupported:
+            row["per_generation"][g] = {"unsupported": unsupported[g]}
+            continue
         c = per_gen_cost[g]
         entry = {**_cost_dict(c), **_timing(c, min_bytes, useful, g)}
         row["per_generation"][g] = entry
@@ -324,12 +371,14 @@ def build_row(
     else:
         row["source"] = "closed form"
     if do_compile:
-        fn_avals = a.compile_args(shape) if impl != "ours" else None
         for g in TESTED_GENERATIONS:
             t0 = time.time()
             pg = row["per_generation"].setdefault(g, {})
             if impl == "ours" and ours_generations and g not in ours_generations:
                 continue  # not compiled in this run: the columns say n/a
+            if g in unsupported:
+                pg["compile"] = {"compiles": None, "unsupported": unsupported[g]}
+                continue  # n/a, the reason in the row's notes
             sched = None
             old_ci = _old_compile(old_rows, kind, shape.name, impl, g) if impl != "ours" else None
             if do_schedule:
@@ -341,7 +390,7 @@ def build_row(
                     shape,
                     g,
                     c,
-                    infos[g] if impl == "ours" else info,
+                    infos.get(g, info),
                     cache_only=cache_only,
                 )
             if sched is not None and "error" not in sched and "vmem_bytes" in sched:
@@ -357,7 +406,7 @@ def build_row(
             elif cache_only:
                 pg["compile"] = {"compiles": None}
             else:
-                fn, avals = fn_avals if impl != "ours" else a.compile_args(shape, g)
+                fn, avals = a.compile_args(shape, g)  # an anchor's ignores g unless per chip
                 pg["compile"] = compile_info(g, fn, avals)
             log(
                 f"  compiled {kind}/{shape.name}/{impl} for {g} in {time.time() - t0:.1f}s: "
@@ -397,7 +446,7 @@ def run_section(
             missing[kind] = why
             log(f"{kind}: our kernel not available, its rows are left out ({why})")
         for shape in table[kind]:
-            for impl in registry.impls(kind):
+            for impl in registry.impls(kind, named=not small):
                 if impl == "ours" and not ok:
                     continue
                 log(f"{kind} {shape.name} {impl}")

@@ -79,7 +79,9 @@ def hot_iteration_flops(
     kind: str, impl: str, shape, generation: str, info: dict, cost=None
 ) -> float | None:
     """MXU FLOPs of one iteration of the implementation's hot loop (its compute tile)."""
-    if impl.startswith("anchor:megablox"):
+    if impl.startswith("anchor:megablox") or impl == "anchor:tokamax_gmm":
+        # one (tm x tk) @ (tk x tn) block per grid step (tokamax: per emit_pipeline step); the
+        # tokamax row's info is its generation's own (rows.py passes it per generation)
         tm, tk, tn = info["tiling"]
         return 2.0 * tm * min(tk, shape.k) * min(tn, shape.n)
     if impl == "anchor:splash":

@@ -65,7 +65,7 @@ def lower_row(generation: str, impl: str, shape: str):
     else:
         import registry
 
-        fn, avals = registry.anchor(kind, impl).compile_args(s)
+        fn, avals = registry.anchor(kind, impl).compile_args(s, generation)
     with jax.default_device(tpu_compile.tpu_device(generation)):
         return tpu_compile.lower_for(generation, fn, *avals)
 

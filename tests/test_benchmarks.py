@@ -188,3 +188,156 @@ def test_device_timing_path_runs(small_section):
         assert pg["measured_fraction_of_roofline"] == pytest.approx(
             pg["roofline_us"] / pg["measured_us"], rel=1e-4
         )
+
+
+# -------------------------------------------------------------------------------------------------
+# tokamax's gmm as a ragged-dot anchor (named rows only: its op refuses dimensions under 128)
+# -------------------------------------------------------------------------------------------------
+
+TOKAMAX = "anchor:tokamax_gmm"
+
+
+def _tokamax_small_shape():
+    # 256 rows over 4 experts: the 128-row tiles each hold several groups (revisited tiles)
+    return shapes.RaggedDotShape("tokamax_small", 128, 4, 2, 256, 384)
+
+
+def _visits_by_hand(group_sizes, tm):
+    """(m tile, group) pairs holding rows: megablox's and tokamax's visit list, counted plainly."""
+    pairs, start = [], 0
+    for g, size in enumerate(int(x) for x in group_sizes):
+        pairs += [(t, g) for t in range(start // tm, (start + size - 1) // tm + 1)] if size else []
+        start += size
+    return pairs
+
+
+def test_tokamax_closed_form_matches_a_hand_count():
+    """Full K and N tiles: each m tile's lhs is read once, each used expert's weights once, each
+    output tile written once (the problem's minimum), one step and one block dot per visit."""
+    import anchors
+
+    s = _tokamax_small_shape()
+    tm, k, n = 128, s.k, s.n
+    cost, info = anchors.tokamax_gmm_cost(s, "v6e", {"tiling": (tm, k, n), "buffers": 2})
+    visits = _visits_by_hand(s.group_sizes, tm)
+    used = sum(1 for x in s.group_sizes if x)
+    assert info["row_tile_visits"] == cost.grid_steps == len(visits)
+    assert cost.hbm_bytes == 2 * (s.m * k + used * k * n + s.m * n)  # bf16
+    assert cost.hbm_bytes == anchors.gmm_min_bytes(s)
+    assert cost.mxu_flops == len(visits) * 2 * tm * k * n
+    assert cost.useful_flops == 2 * s.m * k * n
+    # two lhs buffers, two rhs, two out, the f32 accumulator; three lhs buffers add one block
+    assert cost.vmem_bytes == 2 * 2 * (tm * k + k * n + tm * n) + 4 * tm * n
+    deeper, _ = anchors.tokamax_gmm_cost(s, "v6e", {"tiling": (tm, k, n), "buffers": 3})
+    assert deeper.vmem_bytes - cost.vmem_bytes == 2 * tm * k
+
+
+@pytest.mark.timeout(300)
+def test_tokamax_closed_form_equals_counted(monkeypatch):
+    """tokamax's own gmm in TPU interpret mode (several K and N tiles, revisited row tiles): the
+    HBM bytes its pipeline copies are the closed form's, and its result is the ragged dot."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    import anchors
+    import rows
+
+    # Its pipeline asks the default device's TPU info at trace time for DMA tilings; the CPU
+    # device running the interpreter has none: lend it v6e's.
+    monkeypatch.setitem(
+        tpu_info.registry,
+        "cpu",
+        lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V6E, 1),
+    )
+    s = _tokamax_small_shape()
+    cfg = {"tiling": (128, 128, 128), "buffers": 2}
+    cost, info = anchors.tokamax_gmm_cost(s, "v6e", cfg)
+    fn, args = anchors.tokamax_gmm_call(s, cfg, interpret=False)  # the counter forces interpret
+    try:
+        counted = rows.count_row(fn, args)
+        lhs, rhs, gs = args
+        out = anchors.tokamax_gmm_call(s, cfg, interpret=True)[0](lhs, rhs, gs)
+    finally:
+        tpu_info.get_tpu_info.cache_clear()  # the lent v6e info must not outlive the test
+    assert counted["calls"] == 1
+    assert counted["dma_bytes"] == cost.hbm_bytes, counted
+    assert cost.grid_steps == len(_visits_by_hand(s.group_sizes, 128)) * 2 * 3
+    ref = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs)
+    assert jnp.allclose(out.astype(jnp.float32), ref, rtol=2e-2, atol=0.5)
+
+
+def test_tokamax_registry_entry_and_tiles_per_generation():
+    """Named rows only; its tiles are the fastest config tokamax published for the shape and
+    generation, else its op's own choice (its tuned table, else Config's defaults)."""
+    import anchors
+    import rows
+
+    assert TOKAMAX in registry.impls("ragged_dot", named=True)
+    assert TOKAMAX not in registry.impls("ragged_dot")  # no small-shape rows
+    a = registry.anchor("ragged_dot", TOKAMAX)
+    named = {s.name: s for s in shapes.NAMED["ragged_dot"]}
+    op = anchors._tokamax_op_module()
+
+    mixtral = named["mixtral_8x7b_gate_t4096"]
+    published = rows.tokamax_ms("ragged_dot", mixtral)["pallas"]  # an independent CSV reader
+    for g in ("v5e", "tpu7x"):
+        cfg = anchors.tokamax_gmm_config(mixtral, g)
+        assert cfg["source"] == "published" and cfg["published_ms"] == published[g]
+    assert "v6e" not in published
+    d = op.Config()
+    v6e = anchors.tokamax_gmm_config(mixtral, "v6e")
+    assert (v6e["source"], v6e["tiling"]) == ("default", (d.tile_m, d.tile_k, d.tile_n))
+
+    deepseek = named["deepseek_v3_like_gate_t16384"]
+    lut = op.GMM_TILING_TUNED_LUT[(deepseek.m, deepseek.k, deepseek.n, deepseek.experts, False)]
+    cfg = anchors.tokamax_gmm_config(deepseek, "v6e")
+    assert (cfg["source"], cfg["tiling"], cfg["buffers"]) == ("table", tuple(lut[0]), lut[1])
+
+    # The row's cost follows each generation's tiles: tpu7x's published 512 x 4096 x 1024 tiles
+    # cover K in one step, 14 N tiles.
+    tm, tk, tn = anchors.tokamax_gmm_config(mixtral, "tpu7x")["tiling"]
+    c7, i7 = a.cost(mixtral, False, "tpu7x")
+    c6, _ = a.cost(mixtral, False, "v6e")
+    visits = len(_visits_by_hand(mixtral.group_sizes, tm))
+    assert c7.grid_steps == visits * (-(-mixtral.k // tk)) * (-(-mixtral.n // tn))
+    assert i7["tiling"] == [tm, tk, tn] and c6.grid_steps != c7.grid_steps
+
+    # Every named ragged row is a bf16 forward gmm it runs; a shape under 128 rows is not.
+    for s in named.values():
+        for g in ("v5e", "v6e", "tpu7x"):
+            assert a.unsupported(s, g) is None, (s.name, g)
+    small = shapes.SMALL["ragged_dot"][0]
+    assert "under 128" in a.unsupported(small, "v6e")
+    odd = shapes.RaggedDotShape("odd_rows", 100, 4, 2, 256, 256)  # 200 rows, 128-row tiles
+    assert "divisible by tile_m" in a.unsupported(odd, "v6e")
+
+
+def test_tokamax_rows_without_a_cached_schedule_say_na(monkeypatch):
+    """`run.py --cache-only` on a tokamax row whose schedule is not cached: the row is built (no
+    compile), its scheduled and compile cells say n/a; a shape it cannot run is an n/a row with
+    the reason, and the report renders both."""
+    import report
+    import rows
+    import schedule_rows
+    from tpu_compile import libtpu_available
+
+    assert libtpu_available(), "libtpu not installed in .libtpu: run `make setup`"
+    monkeypatch.setattr(schedule_rows, "_load_cache", lambda *a, **k: {})
+    monkeypatch.setattr(schedule_rows, "_save_cache", lambda *a, **k: None)
+    shape = next(s for s in shapes.NAMED["ragged_dot"] if s.name == "qwen3_30b_a3b_down_t64")
+    gens = ["v5e", "v6e", "tpu7x"]
+    row = rows.build_row(
+        "ragged_dot", shape, TOKAMAX, False, gens, True, lambda m: None, True, cache_only=True
+    )
+    for g in gens:
+        pg = row["per_generation"][g]
+        assert pg["compile"] == {"compiles": None} and "scheduled" not in pg
+        assert pg["hbm_bytes"] == row["hbm_bytes"]  # default tiles on every chip for this shape
+    odd = shapes.RaggedDotShape("odd_rows", 100, 4, 2, 256, 256)
+    na = rows.build_row("ragged_dot", odd, TOKAMAX, False, gens, True, lambda m: None, True)
+    assert "divisible by tile_m" in na["unsupported"]
+    section = {"rows": [row, na], "missing": {}, "generations": gens}
+    md = report.markdown({"named": section})
+    line = next(ln for ln in md.splitlines() if ln.startswith("| qwen3_30b_a3b_down_t64 "))
+    cells = [c.strip() for c in line.split("|")]
+    assert cells.count("n/a") == 6  # the scheduled and compile columns of three generations
+    assert "| odd_rows | tokamax gmm" in md and "n/a: tokamax's gmm needs m divisible" in md

@@ -49,7 +49,13 @@ def _compile(gen, shape, direction):
         window_size=s["window"],
         generation=gen,
     )
-    cfg = dict(causal=s["causal"], window_size=s["window"], softcap=s["softcap"], tiles=tiles)
+    cfg = dict(
+        causal=s["causal"],
+        window_size=s["window"],
+        softcap=s["softcap"],
+        tiles=tiles,
+        generation=gen,  # the softmax path (bf16 exp, interior tile) follows the generation
+    )
     q = ((1, Hq, S, D), jnp.bfloat16)
     kv = ((1, Hkv, S, D), jnp.bfloat16)
     if direction == "fwd":
@@ -118,7 +124,7 @@ def test_compiles_varlen_sinks_odd_head_dim(gen):
         causal=True,
         generation=gen,
     )
-    cfg = dict(causal=True, window_size=(255, -1), tiles=tiles)
+    cfg = dict(causal=True, window_size=(255, -1), tiles=tiles, generation=gen)
     q = ((T_, Hq, D), jnp.bfloat16)
     kv = ((T_, Hkv, D), jnp.bfloat16)
     cu = ((9,), jnp.int32)
@@ -172,7 +178,14 @@ def test_compiles_segment_ids_at_llama_shape(gen):
     tpu_compile.compile_for(
         gen,
         lambda q, k, v, sq, sk: K.flash_attention_fwd(
-            q, k, v, causal=True, q_segment_ids=sq, kv_segment_ids=sk, tiles=tiles
+            q,
+            k,
+            v,
+            causal=True,
+            q_segment_ids=sq,
+            kv_segment_ids=sk,
+            tiles=tiles,
+            generation=gen,
         ),
         q,
         kv,

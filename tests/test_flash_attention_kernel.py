@@ -186,6 +186,45 @@ def test_dense_features(name, B, Hq, Hkv, Sq, Sk, causal, window, softcap, sinks
     _check_dense(*_dense_case(B, Hq, Hkv, Sq, Sk, 64, dtype, causal, window, softcap, sinks, False))
 
 
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_softmax_path_per_generation(gen):
+    """bf16 inputs take exp2 in bf16 on v6e / TPU7x (f32 on v5e, f32 for f32 inputs), and only
+    v6e runs interior items as taller q tiles, within the VMEM the call already asked for; each
+    path in interpret mode against the f32 reference (bf16 tolerance: atol = rtol = 3e-2), with
+    a window and sinks so that interior, edge and masked tiles all run."""
+    bf16 = gen in ("v6e", "tpu7x")
+    assert T.exp_in_bf16(gen, jnp.bfloat16) == bf16
+    assert not T.exp_in_bf16(gen, jnp.float32)
+    tall = T.interior_q_compute(gen, WIDE, 2, 64, 2, False)
+    assert tall == (WIDE.block_q if gen == "v6e" else WIDE.q_compute)
+    assert T.interior_q_compute(gen, WIDE, 2, 64, 2, True) == WIDE.q_compute  # segment ids
+    # the need of the taller tile stays within what the default tiles' limit grants
+    t = T.choose_tiles(
+        q_len=8192,
+        kv_len=8192,
+        num_q_heads=8,
+        num_kv_heads=8,
+        head_dim=256,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation=gen,
+    )
+    bqi = T.interior_q_compute(gen, t, 1, 256, 2, False)
+    assert t.block_q % bqi == 0 and bqi >= t.q_compute
+    need = T.vmem_need_fwd(1, 256, 2, t.block_q, t.block_kv, t.block_kv_compute, False, bqi)
+    assert need * 1.25 + 2 * 2**20 <= t.vmem_limit_bytes
+    q, k, v, s, qseg, kseg, cfg = _dense_case(
+        1, 4, 2, 200, 200, 64, jnp.bfloat16, True, (90, 0), 0.0, True, False, seed=5
+    )
+    fwd = jax.jit(
+        functools.partial(K.flash_attention_fwd, tiles=WIDE, generation=gen, interpret=True, **cfg)
+    )
+    o, lse = fwd(q, k, v, sinks=s)
+    ref, ref_lse = jax.jit(functools.partial(R.attention_with_lse, **cfg))(q, k, v, sinks=s)
+    _close(o, ref, atol=3e-2, rtol=3e-2)
+    _close(lse, ref_lse, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_segment_ids(causal):
     _check_dense(*_dense_case(2, 4, 2, 56, 56, 64, jnp.float32, causal, (-1, -1), 0.0, True, True))

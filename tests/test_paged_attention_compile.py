@@ -254,3 +254,40 @@ def test_quantised_token_major_compiles(generation, qdtype):
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == 2 * SEQS * CTX * HKV * D
     assert mem.temp_size_in_bytes < 64 << 20
+
+
+@pytest.mark.parametrize("generation", tpu_compile.one_generation(2))
+def test_flash_attn_with_kvcache_body_fp8_bytes_in_place(generation):
+    """The torch op body on float8_e4m3fn caches as the torch functions pass them (their uint8
+    bytes, read as e4m3 by the kernel) with per-token and per-head scales, at Llama-3-8B decode
+    (64 x 8192, page 128): no cache-sized temporary, no copy or convert of a cache (a
+    uint8 -> float8 bitcast of the caches in the body compiled to two 512 MiB copies)."""
+    import re
+
+    page_size = 128
+    pages = CTX // page_size
+    cache = ((SEQS * pages, page_size, HKV, D), jnp.uint8)
+    scale = ((SEQS * pages, HKV, page_size), jnp.float32)
+    compiled = tpu_compile.compile_for(
+        generation,
+        PA.ops._kvcache_jax,
+        ((SEQS, HQ, D), jnp.bfloat16),
+        cache,
+        cache,
+        ((SEQS,), jnp.int32),
+        ((SEQS, pages), jnp.int32),
+        ((SEQS + 1,), jnp.int32),
+        ((1,), jnp.int32),
+        causal=True,
+        k_scale=scale,
+        v_scale=scale,
+        k_head_scale=((HKV,), jnp.float32),
+        v_head_scale=((HKV,), jnp.float32),
+        static_argnames=("causal",),
+    )
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+    n = SEQS * pages
+    for shape, op in re.findall(
+        r"= \w+\[([\d,]+)\]\S* (copy|convert|transpose)\(", compiled.as_text()
+    ):
+        assert int(shape.split(",")[0]) != n, f"a cache is copied: {op} [{shape}]"

@@ -766,6 +766,42 @@ def test_quantised_tpu_interpret_and_bytes(qdtype):
     assert tr["kv_dma_bytes"] + tr["scale_dma_bytes"] <= 0.55 * bf16["kv_dma_bytes"]
 
 
+def test_fp8_pages_as_uint8_bytes_match_float8():
+    """e4m3 caches passed as their raw bytes (uint8, as the torch functions pass them: a float8
+    bitcast of a whole cache is a copy on TPU) give the float8 caches' output bit for bit, and the
+    writer stores a float new token's e4m3 bytes into a uint8 cache."""
+    b = make_quantised(np.random.default_rng(2), [1, 3], [150, 40], "fp8", tokens=8, num_slots=2)
+    new = np.random.default_rng(3).standard_normal((8, 4, D)).astype(np.float32)
+    f = jax.jit(functools.partial(kernel.paged_attention_token_major, interpret=True))
+    outs = []
+    for as_bytes in (False, True):
+        k, v = (jax.numpy.asarray(b[n]) for n in "kv")
+        if as_bytes:
+            k, v = (jax.lax.bitcast_convert_type(x, jax.numpy.uint8) for x in (k, v))
+        outs.append(
+            f(
+                b["q"],
+                k,
+                v,
+                b["kv_lens"],
+                b["pt"],
+                b["cu"],
+                b["ns"],
+                new_k=new,
+                new_v=-new,
+                k_head_scale=b["k_head"],
+                v_head_scale=b["v_head"],
+            )
+        )
+    (o8, k8, v8), (ou, ku, vu) = outs
+    assert ku.dtype == jax.numpy.uint8
+    assert np.asarray(o8).tobytes() == np.asarray(ou).tobytes()
+    for x8, xu in ((k8, ku), (v8, vu)):
+        assert np.asarray(jax.lax.bitcast_convert_type(x8, jax.numpy.uint8)).tobytes() == (
+            np.asarray(xu).tobytes()
+        )
+
+
 def test_sinks_head_major_and_bf16_token_major():
     """Sinks also in the head-major kernel and with bf16 token-major pages."""
     rng = np.random.default_rng(2)

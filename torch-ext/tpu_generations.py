@@ -16,12 +16,15 @@ checks it for every family):
 - `estimate_cost(<the problem>, ..., tiles=None, generation=None)`: the `KernelCost` of one call
   at `tiles` (None: what `choose_tiles` picks), `vmem_bytes` its budget-model need, and what its
   compute tiles push through each unit (`compute_tiles`, `mxu_pushes`, `eup_pushes`,
-  `valu_ops`: the family's own per-tile counts, summed over the call).
+  `valu_ops`, `vmem_loads`, `vmem_stores`, `step_vregs`: the family's own per-tile counts, summed
+  over the call).
 - Ranking: `choose_tiles` picks among the candidates that fit with `best_tiles` (one function for
   every family), by `ranked_seconds`, a schedule-aware time model: max(the tiles' bundles / clock
   (never below the MXU FLOP floor), HBM bytes / bandwidth) + grid steps x step overhead. A tile's
   bundles come from `tile_bundles`: max(MXU push cycles x issue factor, vector-unit slot cycles
-  x issue factor) + a fixed per-tile cost, constants per generation (`TILE_BUNDLE_MODELS`)
+  x issue factor, VMEM load / store slot cycles x issue factor) + a fixed per-tile cost, plus the
+  grid steps' own code where a family counts it (`step_bundles`), constants per generation
+  (`TILE_BUNDLE_MODELS`)
   calibrated on libtpu's LLO dumps of our kernels' hot loops
   (benchmarks/results/tile_model_calibration.json; tests/test_shared_contract.py keeps the
   model within its tolerance of them). A family whose cost leaves the unit counts at 0 is ranked
@@ -29,10 +32,12 @@ checks it for every family):
   model's error of the fastest as equal and lets the family's tie-break (larger DMA blocks for
   flash) choose among them.
 
-The problem arguments are each family's own. flash_attention ranks with `best_tiles` (forward:
-per-tile unit counts; backward: still the FLOP floor, its dumps are not calibrated yet);
-ragged_dot and paged_attention are adopting it (until then: compute plus traffic time, and the
-first fitting entry of a fixed preference list).
+The problem arguments are each family's own. Every family ranks with `best_tiles`:
+flash_attention's forward with per-tile unit counts (its backward: the FLOP floor, its dumps are
+not calibrated yet); ragged_dot's gmm with its row windows' MXU pushes and VMEM loads and its grid
+steps' own vregs (tgmm keeps its earlier summed-time search: not calibrated); paged_attention on
+the decode batch its static shapes describe, without unit counts (its preference order breaks the
+model's ties).
 
 Vendored into every Hub package at build time: no imports from the collection.
 """
@@ -233,11 +238,14 @@ class KernelCost:
     """What one kernel call makes the hardware do, from a kernel's closed-form cost model
     (`tiling.estimate_cost`). The benchmarks check these numbers against TPU-interpret-mode counts.
 
-    The last four fields are what the call's compute tiles push through each unit, summed over
-    the call (0: the family does not count them; `ranked_seconds` then falls back to the MXU
-    FLOP floor). `compute_tiles` is the number of score / matmul tiles the kernel body runs, each
-    charged the generation's fixed per-tile bundles; `mxu_pushes` MXU weight pushes of 16 rows
-    (`mxu_pushes()`); `eup_pushes` vregs through the EUP (exp, tanh); `valu_ops` VALU vreg ops."""
+    The unit counts after `vmem_bytes` are what the call's compute tiles push through each unit,
+    summed over the call (0: the family does not count them; `ranked_seconds` then falls back to
+    the MXU FLOP floor). `compute_tiles` is the number of score / matmul tiles the kernel body
+    runs, each charged the generation's fixed per-tile bundles; `mxu_pushes` MXU weight pushes of
+    16 rows (`mxu_pushes()`); `eup_pushes` vregs through the EUP (exp, tanh); `valu_ops` VALU vreg
+    ops; `vmem_loads` / `vmem_stores` vregs the tiles load from / store to VMEM (operands the MXU
+    reads, accumulator read-modify-write); `step_vregs` vregs the grid steps move outside their
+    compute tiles (accumulator init and write-back), summed over the steps (0: not counted)."""
 
     useful_flops: int  # the math the caller asked for
     mxu_flops: int  # the math issued, tile padding included
@@ -252,6 +260,9 @@ class KernelCost:
     # of compute_tiles, those that carry a mask (band edges, sequence ends, segment ids): the
     # benchmarks' schedule model charges them the bundles of the kernel's masked path
     masked_tiles: int = 0
+    vmem_loads: int = 0
+    vmem_stores: int = 0
+    step_vregs: int = 0
 
     def modelled_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
         """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead (the
@@ -275,37 +286,69 @@ class KernelCost:
 class TileBundleModel:
     """Per-generation constants of the per-tile bundle model (`tile_bundles`).
 
-    A compute tile keeps the MXU busy for its pushes x `push_bundles` cycles and the vector
-    units for the larger of EUP pushes / EUP slots and VALU ops / VALU slots; the LLO scheduler
-    stretches the busier of the two by its issue factor (`mxu_issue`, `vector_issue`: the
-    dependency latency between a tile's matmul, softmax and second matmul that it cannot hide),
-    and every tile adds `tile_fixed_bundles` (result pops, loop and address bookkeeping, the
-    statistics' reload). Calibrated against the final bundles of our kernels' hot loops (libtpu's
-    LLO dump): benchmarks/results/tile_model_calibration.json lists every data point, the command
-    that produced it and the model's error; tests/test_shared_contract.py keeps the model within
-    its stated tolerance of them."""
+    A compute tile keeps the MXU busy for its pushes x `push_bundles` cycles, the vector units
+    for the larger of EUP pushes / EUP slots and VALU ops / VALU slots, and the VMEM load / store
+    slots for its loaded / stored vregs over the slots; the LLO scheduler stretches the busiest
+    of the three by its issue factor (`mxu_issue`, `vector_issue`: the dependency latency between
+    a tile's matmul, softmax and second matmul that it cannot hide; `memory_issue`: a matmul
+    window's weight vregs go VMEM -> MXU one dependent push at a time, so a window with few rows
+    waits on its weight loads far below the slots' rate), and every tile adds
+    `tile_fixed_bundles` (result pops, loop and address bookkeeping, the statistics' reload).
+    A family that counts its grid steps' own vregs (`KernelCost.step_vregs`) is also charged
+    `step_vreg_bundles` per such vreg and `step_fixed_bundles` per grid step (the step's code
+    outside its compute tiles: work-list reads, DMA issue, accumulator init and write-back).
+    Calibrated against the final bundles of our kernels' hot loops (libtpu's LLO dump):
+    benchmarks/results/tile_model_calibration.json lists every data point, the command that
+    produced it and the model's error; tests/test_shared_contract.py keeps the model within its
+    stated tolerance of them (flash's score tiles: `points`; ragged dot's matmul windows and grid
+    steps: `gmm_points`)."""
 
     push_bundles: float  # cycles one MXU push (16 rows x mxu_size x mxu_size) occupies
     mxu_issue: float
     vector_issue: float
     tile_fixed_bundles: float
+    memory_issue: float = 0.0  # 0: VMEM loads / stores not calibrated (never bound a tile)
+    step_vreg_bundles: float = 0.0
+    step_fixed_bundles: float = 0.0
     valu_slots: int = 4  # the dumps' CAPACITY row
     eup_slots: int = 1
+    vload_slots: int = 3
+    vstore_slots: int = 2
     calibrated: bool = True
 
 
 TILE_BUNDLE_MODELS: dict[str, TileBundleModel] = {
     # push_bundles: (16 x mxu x mxu x 2 FLOP) / (bf16 peak / clock) = 4.0 on all three.
     # v5e: MXU-bound (the vector term is v6e's; no v5e dump is vector-bound).
+    # memory_issue / step_*: fitted on gmm dumps (tile_model_calibration.json "gmm_points").
     "v5e": TileBundleModel(
-        push_bundles=4.0, mxu_issue=1.02, vector_issue=1.42, tile_fixed_bundles=16
+        push_bundles=4.0,
+        mxu_issue=1.02,
+        vector_issue=1.42,
+        tile_fixed_bundles=16,
+        memory_issue=2.62,
+        step_vreg_bundles=1.53,
+        step_fixed_bundles=175,
+        vstore_slots=1,
     ),
     "v6e": TileBundleModel(
-        push_bundles=4.0, mxu_issue=1.05, vector_issue=1.42, tile_fixed_bundles=224
+        push_bundles=4.0,
+        mxu_issue=1.05,
+        vector_issue=1.42,
+        tile_fixed_bundles=224,
+        memory_issue=2.21,
+        step_vreg_bundles=0.9,
+        step_fixed_bundles=183,
     ),
-    # TPU7x: no dump of a tile below 512 rows; its fixed per-tile bundles are v6e's.
+    # TPU7x: no dump of a flash tile below 512 rows; its fixed per-tile bundles are v6e's.
     "tpu7x": TileBundleModel(
-        push_bundles=4.0, mxu_issue=0.96, vector_issue=1.36, tile_fixed_bundles=224
+        push_bundles=4.0,
+        mxu_issue=0.96,
+        vector_issue=1.36,
+        tile_fixed_bundles=224,
+        memory_issue=1.28,
+        step_vreg_bundles=0.89,
+        step_fixed_bundles=211,
     ),
     # No dump of v5p was read: v5e's constants (same MXU geometry), marked uncalibrated.
     "v5p": TileBundleModel(
@@ -313,6 +356,10 @@ TILE_BUNDLE_MODELS: dict[str, TileBundleModel] = {
         mxu_issue=1.02,
         vector_issue=1.42,
         tile_fixed_bundles=16,
+        memory_issue=2.62,
+        step_vreg_bundles=1.53,
+        step_fixed_bundles=175,
+        vstore_slots=1,
         calibrated=False,
     ),
 }
@@ -339,17 +386,30 @@ def tile_bundles(
     mxu_pushes: float,
     eup_pushes: float = 0.0,
     valu_ops: float = 0.0,
+    vmem_loads: float = 0.0,
+    vmem_stores: float = 0.0,
     tiles: float = 1.0,
 ) -> float:
     """Bundles the LLO scheduler needs for `tiles` compute tiles that together push
-    `mxu_pushes` / `eup_pushes` / `valu_ops` through the MXU / EUP / VALU (one tile: tiles=1):
-    max(MXU cycles x mxu_issue, vector slot-cycles x vector_issue) + tiles x fixed bundles
-    (`TileBundleModel`). Per-tile inputs, or totals over homogeneous tiles, give the same
-    answer."""
+    `mxu_pushes` / `eup_pushes` / `valu_ops` through the MXU / EUP / VALU and load / store
+    `vmem_loads` / `vmem_stores` vregs (one tile: tiles=1): max(MXU cycles x mxu_issue, vector
+    slot-cycles x vector_issue, VMEM load / store slot-cycles x memory_issue) + tiles x fixed
+    bundles (`TileBundleModel`). Per-tile inputs, or totals over homogeneous tiles, give the same
+    answer (over tiles bound by different units, the totals' max is a lower bound)."""
     m = tile_bundle_model(gen)
     mxu = mxu_pushes * m.push_bundles * m.mxu_issue
     vector = max(eup_pushes / m.eup_slots, valu_ops / m.valu_slots) * m.vector_issue
-    return max(mxu, vector) + tiles * m.tile_fixed_bundles
+    memory = max(vmem_loads / m.vload_slots, vmem_stores / m.vstore_slots) * m.memory_issue
+    return max(mxu, vector, memory) + tiles * m.tile_fixed_bundles
+
+
+def step_bundles(gen: TpuGeneration, *, step_vregs: float, grid_steps: float) -> float:
+    """Bundles of the grid steps' own code outside their compute tiles, for a family that counts
+    the vregs it moves there (`KernelCost.step_vregs`; 0: not charged)."""
+    if not step_vregs:
+        return 0.0
+    m = tile_bundle_model(gen)
+    return step_vregs * m.step_vreg_bundles + grid_steps * m.step_fixed_bundles
 
 
 def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: int = 0) -> float:
@@ -357,11 +417,12 @@ def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: i
 
         max(compute, DMA) + grid steps x step overhead + outside_hbm_bytes / bandwidth
 
-    compute = the call's tiles' bundles (`tile_bundles` over the KernelCost's per-unit counts)
-    / clock, never below the MXU FLOP floor; DMA = hbm_bytes / bandwidth, overlapped with compute
-    (double buffering); `outside_hbm_bytes`: XLA copies around the kernel a tile choice causes
-    (padding to a block multiple). A KernelCost without unit counts (compute_tiles == 0) is
-    charged the MXU FLOP floor alone (the roofline)."""
+    compute = the call's bundles / clock, never below the MXU FLOP floor: its tiles' bundles
+    (`tile_bundles` over the KernelCost's per-unit counts) plus its steps' own code
+    (`step_bundles`, when counted); DMA = hbm_bytes / bandwidth, overlapped with compute (double
+    buffering); `outside_hbm_bytes`: XLA copies around the kernel a tile choice causes (padding
+    to a block multiple). A KernelCost without unit counts (compute_tiles == 0) is charged the
+    MXU FLOP floor alone (the roofline)."""
     floor = cost.mxu_flops / gen.bf16_flops
     if cost.compute_tiles:
         bundles = tile_bundles(
@@ -369,8 +430,10 @@ def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: i
             mxu_pushes=cost.mxu_pushes,
             eup_pushes=cost.eup_pushes,
             valu_ops=cost.valu_ops,
+            vmem_loads=cost.vmem_loads,
+            vmem_stores=cost.vmem_stores,
             tiles=cost.compute_tiles,
-        )
+        ) + step_bundles(gen, step_vregs=cost.step_vregs, grid_steps=cost.grid_steps)
         compute = max(bundles / gen.clock_hz, floor)
     else:
         compute = floor

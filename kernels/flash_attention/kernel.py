@@ -371,6 +371,7 @@ def _row_reduce(x, op):
             ]
         x = parts[0]
     red = jnp.max if op is jnp.maximum else jnp.sum
+    x = x.astype(jnp.float32)  # a bf16 tile's last [rows, 128] reduces across lanes in f32
     return jnp.broadcast_to(red(x, axis=1, keepdims=True), (x.shape[0], NUM_LANES))
 
 
@@ -392,6 +393,8 @@ def _fwd_kernel(
     has_segments,
     tile_ranges,
     unroll,
+    exp_bf16=False,
+    interior_q=None,
 ):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
@@ -405,7 +408,6 @@ def _fwd_kernel(
     )  # read here: interpret mode has no program_id in loops
     qi, ki, si, flags = _current_item(items_ref, layout)
     bqc, bkc = block_q_compute, block_kv_compute
-    rows_c = groups * bqc  # one compute tile stacks the G heads' bqc rows
     D = q_ref.shape[-1]
     seq = _seq_scalars(seq_ref, si, n_seq)
     # Scores are kept in base 2 (exp2 is the EUP's native op): log2(e) rides on the scale
@@ -426,25 +428,25 @@ def _fwd_kernel(
             m_ref[...] = jnp.full_like(m_ref, NEG_INF)
             l_ref[...] = jnp.zeros_like(l_ref)
 
-    def load(r0):
-        rows = pl.ds(r0, bqc)
+    def load(r0, n=bqc):
+        rows = pl.ds(r0, n)
         # The score scale (and log2(e), or 1 / softcap) is folded into the q tile once per group
         # rather than into every score: one multiply per q element instead of per score.
-        q = q_ref[:, rows, :].reshape(rows_c, D)
+        q = q_ref[:, rows, :].reshape(groups * n, D)
         q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
         return [
             q,
-            m_ref[:, rows, :].reshape(rows_c, NUM_LANES),
-            l_ref[:, rows, :].reshape(rows_c, NUM_LANES),
-            acc_ref[:, rows, :].reshape(rows_c, D),
+            m_ref[:, rows, :].reshape(groups * n, NUM_LANES),
+            l_ref[:, rows, :].reshape(groups * n, NUM_LANES),
+            acc_ref[:, rows, :].reshape(groups * n, D),
         ]
 
-    def store(r0, state):
-        rows = pl.ds(r0, bqc)
+    def store(r0, state, n=bqc):
+        rows = pl.ds(r0, n)
         _, m, l, acc = state
-        acc_ref[:, rows, :] = acc.reshape(groups, bqc, D)
-        m_ref[:, rows, :] = m.reshape(groups, bqc, NUM_LANES)
-        l_ref[:, rows, :] = l.reshape(groups, bqc, NUM_LANES)
+        acc_ref[:, rows, :] = acc.reshape(groups, n, D)
+        m_ref[:, rows, :] = m.reshape(groups, n, NUM_LANES)
+        l_ref[:, rows, :] = l.reshape(groups, n, NUM_LANES)
 
     def step(state, r0, t0, c, masked):
         """One score tile (q compute tile at row r0 / token t0, kv compute slice c) folded into
@@ -464,7 +466,13 @@ def _fwd_kernel(
             # never sees one is told apart by m at the end.
             s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, _row_reduce(s, jnp.maximum))
-        p = jnp.exp2(s - _lanes(m_new, bkc))
+        if exp_bf16:
+            # bf16 EUP/VPU (v6e, TPU7x): the exponent is formed in f32 (s and m are large and
+            # close), rounded once, and exp2 and the row sum's vreg adds run on packed bf16
+            # vregs (half the EUP pushes and adds); p feeds p @ v in bf16 as it would anyway.
+            p = jnp.exp2((s - _lanes(m_new, bkc)).astype(jnp.bfloat16))
+        else:
+            p = jnp.exp2(s - _lanes(m_new, bkc))
         alpha = jnp.exp2(m - m_new)
         l = alpha * l + _row_reduce(p, jnp.add)
         pv = jax.lax.dot_general(
@@ -475,16 +483,20 @@ def _fwd_kernel(
         )
         return [q, m_new, l, acc * _lanes(alpha, D) + pv]
 
-    def tiles(r0, t0, cs, masked):
-        """Score tiles of one q compute tile against the kv compute slices `cs`, a static count
-        in straight-line code: the scheduler overlaps one tile's softmax with the next one's
-        matmuls."""
-        state = load(r0)
+    def tiles(r0, t0, cs, masked, n=bqc):
+        """Score tiles of one q compute tile (n query tokens) against the kv compute slices `cs`,
+        a static count in straight-line code: the scheduler overlaps one tile's softmax with the
+        next one's matmuls."""
+        state = load(r0, n)
         for c in cs:
             state = step(state, r0, t0, c, masked)
-        store(r0, state)
+        store(r0, state, n)
 
-    n_qt, n_ks = block_q // bqc, block_kv // bkc
+    n_ks = block_kv // bkc
+    # The interior path's q tile (tiling.interior_q_compute): taller than the edge walk's where
+    # that pays, so the MXU gap of each tile's softmax chain is paid over more rows.
+    bqi = interior_q or bqc
+    n_qt = block_q // bqi
 
     def interior_item():
         """Every (q tile, kv slice) of the item, mask-free, as one straight-line region: the q
@@ -492,9 +504,9 @@ def _fwd_kernel(
         causal or windowed sequence takes this path)."""
 
         def q_tile(j, _):
-            tiles(pl.multiple_of(j * bqc, bqc), None, range(n_ks), False)
+            tiles(pl.multiple_of(j * bqi, bqi), None, range(n_ks), False, bqi)
 
-        small = rows_c * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
+        small = groups * bqi * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
         jax.lax.fori_loop(0, n_qt, q_tile, None, unroll=INTERIOR_Q_UNROLL if small else 1)
 
     @pl.when((flags & COMPUTE) != 0)
@@ -698,7 +710,20 @@ def _cost_estimates(prob: _Problem, seqs, tiles, itemsize_dtype, pass_, segments
     ]
 
 
-def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpret):
+def _forward(
+    q5,
+    k4,
+    v4,
+    seqs,
+    sinks,
+    qseg,
+    kseg,
+    prob: _Problem,
+    tiles,
+    interpret,
+    exp_bf16=False,
+    interior_q=None,
+):
     """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles)."""
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
@@ -769,6 +794,8 @@ def _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob: _Problem, tiles, interpr
         has_segments=has_segments,
         tile_ranges=tile_ranges,
         unroll=_fwd_unroll(bk // bkc),
+        exp_bf16=exp_bf16,
+        interior_q=interior_q,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -1362,7 +1389,13 @@ def flash_attention_fwd(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
     )
-    o5, lse = _forward(q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret)
+    exp_bf16 = _tiling.exp_in_bf16(generation, q.dtype)
+    interior_q = _tiling.interior_q_compute(
+        generation, tiles, prob.groups, prob.head_dim, q.dtype.itemsize, qseg is not None
+    )
+    o5, lse = _forward(
+        q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret, exp_bf16, interior_q
+    )
     return _unpack_out(o5, varlen, sizes), _lse_out(lse, sizes)
 
 

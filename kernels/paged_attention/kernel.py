@@ -111,6 +111,8 @@ def _token_major_head_8bit(
     are mantissa * 2**-9. Without `unpack_u32` (TPU interpret mode) a direct strided load."""
     if not unpack_u32:
         x = buf[slot] if hkv == 1 else buf[slot, pl.ds(h, kv_tok, stride=hkv), :]
+        if x.dtype == jnp.uint8:  # e4m3 pages passed as their bytes
+            x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
         return x.astype(jnp.float32).astype(jnp.bfloat16)
     key = (arr, h // 4)
     if key not in words:
@@ -644,6 +646,11 @@ def paged_attention_token_major(
     kernel DMAs pages of the cache itself; `[nb, bs, Hkv, D] -> [nb, bs * Hkv, D]` merges
     contiguous dims, a bitcast). Other arguments as `ragged_paged_attention`.
 
+    8-bit caches: int8 or float8_e4m3fn, the latter also as its raw bytes (uint8 caches are read
+    as e4m3): a caller holding e4m3 pages as bytes (the torch bridge) passes them as they are,
+    since a uint8 -> float8 `bitcast_convert_type` on a whole cache is a copy on TPU (deviceless
+    compile: one cache-sized temporary per cache).
+
     With new_k / new_v [T, Hkv, D]: the new tokens' K/V are first written into their slots by
     `write_kv_token_major` (a Pallas kernel with the caches aliased to its outputs), then
     attention reads the updated caches; returns (out, k_cache, v_cache). Jit the caller with the
@@ -748,8 +755,11 @@ def _attention(
     quant = {1: ("int8" if kv_dtype == jnp.int8 else "fp8")}.get(jnp.dtype(kv_dtype).itemsize)
     if quant is not None and not token_major:
         raise ValueError("8-bit caches: only the token-major layout (paged_attention_token_major)")
-    if quant is not None and kv_dtype not in (jnp.int8, jnp.float8_e4m3fn):
-        raise TypeError(f"8-bit caches: int8 or float8_e4m3fn, got {jnp.dtype(kv_dtype).name}")
+    if quant is not None and kv_dtype not in (jnp.int8, jnp.float8_e4m3fn, jnp.uint8):
+        raise TypeError(
+            f"8-bit caches: int8, float8_e4m3fn or its bytes as uint8, got "
+            f"{jnp.dtype(kv_dtype).name}"
+        )
     if token_scales is not None:
         want = (caches[0].shape[0], hkv, page_size)
         if quant is None or page_size % 128:
@@ -1108,7 +1118,20 @@ def write_kv_token_major(
         ),
         interpret=interpret,
         name="paged_kv_write",
-    )(slots, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), k_cache, v_cache)
+    )(
+        slots,
+        _as_cache_dtype(new_k, k_cache.dtype),
+        _as_cache_dtype(new_v, v_cache.dtype),
+        k_cache,
+        v_cache,
+    )
+
+
+def _as_cache_dtype(x, dtype):
+    """New K/V in the cache's dtype; a uint8 cache holds e4m3 bytes (converted, then bitcast)."""
+    if dtype == jnp.uint8 and x.dtype != jnp.uint8:
+        return lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return x.astype(dtype)
 
 
 __all__ = [

@@ -23,6 +23,16 @@ copy; contiguous caches, or contiguous views at an offset such as Transformers' 
 views, cross to JAX by dlpack without a copy). Only float16 caches and bfloat16 caches with an
 odd number (> 1) of KV heads still get a head-major copy per call.
 `flash_attn_varlen_func` scatters the packed K/V into 16-token pages on every call (one copy of K/V).
+
+Quantised caches. `flash_attn_with_kvcache` and `ragged_paged_attention(kv_layout="token_major")`
+take int8 / float8_e4m3fn token-major caches with bfloat16 q: per-token-per-head scales
+[num_blocks, Hkv, block_size] (k_scale / v_scale) and / or per-head scales [Hkv]
+(k_head_scale / v_head_scale), dequantised in the kernel. New K/V are quantised here (absmax per
+token and head) and written like a bf16 cache's. float8 caches cross to JAX as their uint8 bytes
+(a zero-copy torch view) and the kernel reads uint8 pages as e4m3: the bridge's own float8
+conversion (`to_jax`: dlpack of the bytes, then an eager `bitcast_convert_type`) is a separate
+XLA computation that writes a new buffer, i.e. a full copy of the cache per call, and the same
+bitcast inside the jitted body compiles to a cache-sized copy on TPU (deviceless compile).
 No autograd: these are inference kernels (backward raises).
 
 Shape buckets (shape_buckets.py). Every public function pads what varies between calls before the
@@ -191,12 +201,22 @@ def _kvcache_jax(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     causal: bool = False,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
+    k_head_scale: Optional[jax.Array] = None,
+    v_head_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """flash-attn caches: packed q [T, H, D] (sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1],
     the first num_seqs sequences are live), caches [nb, bs, Hkv, D] -> out [T, H, D]. The kernel
     reads the token-major caches in place; only float16 caches, bfloat16 ones with an odd number
     (> 1) of KV heads (its strided word reads cannot unpack them), or blocks whose
-    block_size * kv_heads rows do not fill whole sublane tiles take a head-major copy."""
+    block_size * kv_heads rows do not fill whole sublane tiles take a head-major copy.
+
+    Quantised caches (int8, or float8_e4m3fn arriving as their uint8 bytes, which the kernel
+    reads as e4m3: the bridge's eager float8 conversion, and even a bitcast of the whole
+    cache inside this jitted body on TPU, would copy the cache) are dequantised in the kernel with
+    the per-token scales k_scale / v_scale [nb, Hkv, bs] and / or the per-head scales
+    k_head_scale / v_head_scale [Hkv]."""
     hkv = k_cache.shape[2]
     args = (
         kv_lens.astype(jnp.int32),
@@ -211,6 +231,18 @@ def _kvcache_jax(
         causal=causal,
         interpret=pallas_interpret(),
     )
+    if jnp.dtype(k_cache.dtype).itemsize == 1:
+        return kernel.paged_attention_token_major(
+            q,
+            k_cache,
+            v_cache,
+            *args,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_head_scale=k_head_scale,
+            v_head_scale=v_head_scale,
+            **kw,
+        )
     if kernel.token_major_supported(k_cache.dtype, hkv, k_cache.shape[1]):
         return kernel.paged_attention_token_major(q, k_cache, v_cache, *args, **kw)
     return kernel.ragged_paged_attention(
@@ -230,6 +262,10 @@ def _kvcache_fake(
     sliding_window=None,
     softcap=None,
     causal=False,
+    k_scale=None,
+    v_scale=None,
+    k_head_scale=None,
+    v_head_scale=None,
 ):
     return torch.empty_like(q)
 
@@ -266,6 +302,107 @@ def _check_tensor(name, t, ndim=None, dtypes=None):
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_CACHE_DTYPES = _FLOAT_DTYPES + _QUANT_DTYPES
+# Largest magnitude of each 8-bit format: a new token's per-token scale maps its absmax onto it.
+_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def validate_quant(
+    q, k_cache, v_cache, k_scale, v_scale, k_head_scale, v_head_scale, *, cache_name="k_cache"
+):
+    """Checks of a quantised token-major cache pair [num_blocks, block_size, Hkv, D] and its scales
+    (ValueError/TypeError naming the argument). Returns the per-head scales as float32 tensors
+    [Hkv] (a Python float becomes one value per head), or (None, None)."""
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"v_cache: dtype {v_cache.dtype} differs from {cache_name}'s {k_cache.dtype}"
+        )
+    scales = dict(
+        k_scale=k_scale, v_scale=v_scale, k_head_scale=k_head_scale, v_head_scale=v_head_scale
+    )
+    if k_cache.dtype not in _QUANT_DTYPES:
+        for name, val in scales.items():
+            if val is not None:
+                raise ValueError(
+                    f"{name}: scales need an int8 or float8_e4m3fn cache, got {k_cache.dtype}"
+                )
+        return None, None
+    if q.dtype != torch.bfloat16:
+        raise TypeError(
+            f"q: 8-bit caches take bfloat16 queries (the output is bfloat16), got {q.dtype}"
+        )
+    nb, bs, hkv, _ = k_cache.shape
+    if hkv % 4 or (bs * hkv) % 32:
+        raise ValueError(
+            f"{cache_name}: 8-bit pages need a multiple of 4 KV heads (four heads per 32-bit "
+            f"word) and block_size * kv_heads a multiple of 32 (the 8-bit sublane tile), got "
+            f"block_size {bs} and {hkv} KV heads"
+        )
+    for a, b in (("k_scale", "v_scale"), ("k_head_scale", "v_head_scale")):
+        if (scales[a] is None) != (scales[b] is None):
+            raise ValueError(f"{a} / {b}: pass both or neither")
+    if k_scale is not None:
+        for name in ("k_scale", "v_scale"):
+            _check_tensor(name, scales[name], 3, (torch.float32,))
+            if tuple(scales[name].shape) != (nb, hkv, bs):
+                raise ValueError(
+                    f"{name}: expected shape {(nb, hkv, bs)} [num_blocks, kv_heads, "
+                    f"block_size], got {tuple(scales[name].shape)}"
+                )
+        if bs % 128:
+            raise ValueError(
+                f"k_scale: per-token scales need block_size a multiple of 128 (a page's scales "
+                f"are one lane-aligned row per head), got {bs}; use per-head scales"
+            )
+    heads = []
+    for name in ("k_head_scale", "v_head_scale"):
+        hs = scales[name]
+        if hs is None:
+            heads.append(None)
+            continue
+        if isinstance(hs, (int, float)) and not isinstance(hs, bool):
+            hs = torch.full((hkv,), float(hs), dtype=torch.float32, device=k_cache.device)
+        _check_tensor(name, hs, 1, (torch.float32,))
+        if hs.shape[0] != hkv:
+            raise ValueError(f"{name}: expected {hkv} values (one per KV head), got {hs.shape[0]}")
+        host = hs.detach().to("cpu")
+        if not bool((torch.isfinite(host) & (host > 0)).all()):
+            raise ValueError(f"{name}: expected finite positive scales, got {host.tolist()}")
+        heads.append(hs)
+    return heads[0], heads[1]
+
+
+def quantise(x: torch.Tensor, dtype: torch.dtype, head_scale=None, token_scales: bool = False):
+    """x [N, Hkv, D] (float) -> (values [N, Hkv, D] in the 8-bit `dtype`, per-token-per-head scales
+    [N, Hkv] float32 or None) with values * scale * head_scale ~= x: symmetric absmax scaling per
+    token and head, round to nearest (int8: clipped to +-127; e4m3: to +-448)."""
+    x = x.float()
+    if head_scale is not None:
+        x = x / head_scale.to(x.device)[None, :, None]
+    qmax = _QUANT_MAX[dtype]
+    scale = None
+    if token_scales:
+        amax = x.abs().amax(-1)
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        x = x / scale[..., None]
+    x = x.clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        x = x.round()
+    return x.to(dtype), scale
+
+
+def _write_token_major(cache, scale_cache, new, head_scale, page, row):
+    """cache[page[i], row[i]] = new[i] (token-major [nb, bs, Hkv, D], in place), quantised first
+    for an 8-bit cache (its per-token scales into scale_cache[page[i], :, row[i]])."""
+    if cache.dtype not in _QUANT_DTYPES:
+        cache[page, row] = new.to(cache.dtype)
+        return
+    values, scale = quantise(new, cache.dtype, head_scale, scale_cache is not None)
+    # Through uint8 views: index_put has no float8 kernel on every device.
+    cache.view(torch.uint8)[page, row] = values.view(torch.uint8)
+    if scale_cache is not None:
+        scale_cache[page, :, row] = scale
 
 
 def _check_options(softmax_scale, sliding_window, softcap):
@@ -292,11 +429,14 @@ def validate_ragged(
     v_cache=None,
     new_kv=None,
     check_data=True,
+    token_major=False,
 ):
     """Raise ValueError/TypeError for anything the kernel could not run safely. Returns num_seqs
-    as an int (host), or None without check_data."""
+    as an int (host), or None without check_data. Token-major caches are checked through their
+    head-major views (`permute(0, 2, 1, 3)`, `token_major=True`); only they may be 8-bit (their
+    scales: `validate_quant`)."""
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
-    _check_tensor("kv_cache", kv_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("kv_cache", kv_cache, 4, _CACHE_DTYPES if token_major else _FLOAT_DTYPES)
     _check_tensor("kv_lens", kv_lens, 1, _INT_DTYPES)
     _check_tensor("page_table", page_table, 2, _INT_DTYPES)
     _check_tensor("cu_q_lens", cu_q_lens, 1, _INT_DTYPES)
@@ -307,7 +447,7 @@ def validate_ragged(
         )
     T, hq, d = q.shape
     num_pages, c, page_size, dc = kv_cache.shape
-    if kv_cache.dtype != q.dtype:
+    if kv_cache.dtype != q.dtype and kv_cache.dtype not in _QUANT_DTYPES:
         raise TypeError(f"kv_cache: dtype {kv_cache.dtype} differs from q's {q.dtype}")
     if dc != d:
         raise ValueError(f"kv_cache: head_dim {dc} differs from q's head_dim {d}")
@@ -318,7 +458,7 @@ def validate_ragged(
             )
         hkv = c // 2
     else:
-        _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+        _check_tensor("v_cache", v_cache, 4, _CACHE_DTYPES if token_major else _FLOAT_DTYPES)
         if v_cache.shape != kv_cache.shape or v_cache.dtype != kv_cache.dtype:
             raise ValueError(
                 f"v_cache: expected shape {tuple(kv_cache.shape)} and dtype "
@@ -340,7 +480,13 @@ def validate_ragged(
         )
     if new_kv is not None:
         _check_tensor("new_kv", new_kv, 3, _FLOAT_DTYPES)
-        if tuple(new_kv.shape) != (T, c, d) or v_cache is not None:
+        if token_major:
+            if tuple(new_kv.shape) != (T, 2 * hkv, d):
+                raise ValueError(
+                    f"new_kv: expected shape {(T, 2 * hkv, d)} (K of KV head h at 2h, V at "
+                    f"2h + 1), got {tuple(new_kv.shape)}"
+                )
+        elif tuple(new_kv.shape) != (T, c, d) or v_cache is not None:
             raise ValueError(
                 f"new_kv: expected shape {(T, c, d)} (K/V interleaved like kv_cache) with "
                 f"a combined cache, got {tuple(new_kv.shape)}"
@@ -407,12 +553,19 @@ def ragged_paged_attention(
     softcap: float | None = None,
     causal: bool = True,
     validate: bool = True,
+    kv_layout: str = "head_major",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_head_scale: torch.Tensor | float | None = None,
+    v_head_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention over a batch of sequences (decode, prefill chunks, or both).
 
     ragged_paged_attention(q, kv_cache, kv_lens, page_table, cu_q_lens, num_seqs, *,
                            new_kv=None, v_cache=None, softmax_scale=None, sliding_window=None,
-                           softcap=None, causal=True, validate=True) -> out
+                           softcap=None, causal=True, validate=True, kv_layout="head_major",
+                           k_scale=None, v_scale=None, k_head_scale=None,
+                           v_head_scale=None) -> out
 
     q          [T, Hq, D] float32/bfloat16/float16: the new tokens of all sequences, packed.
     kv_cache   [num_pages, 2 * Hkv, page_size, D], same dtype as q: head-major pages, K of KV head
@@ -428,26 +581,95 @@ def ragged_paged_attention(
                their positions before attention (only those slots change).
     softmax_scale defaults to D ** -0.5; sliding_window w lets a query at position p see keys
     p-w+1..p; softcap c maps scores to c * tanh(s / c).
+    kv_layout="token_major": kv_cache is the K cache [num_pages, page_size, Hkv, D] and v_cache
+               (required) the V cache of the same shape (flash-attn's / vLLM's layout, read in
+               place); new_kv [T, 2 * Hkv, D] keeps K of head h at 2h and V at 2h + 1.
+    Quantised caches (token-major only): int8 or float8_e4m3fn kv_cache / v_cache with bfloat16
+               q, dequantised in the kernel as value * k_scale[page, h, row] * k_head_scale[h]:
+               k_scale / v_scale [num_pages, Hkv, page_size] float32 per-token-per-head scales
+               (page_size a multiple of 128), k_head_scale / v_head_scale [Hkv] float32 (or one
+               float) per-head static scales; either or both. new_kv (float) is quantised per
+               token and head (absmax; with per-token scales its scales are written to
+               k_scale / v_scale) and written in place like a bf16 cache's.
     Returns out [T, Hq, D] in q's dtype; rows of tokens beyond cu_q_lens[num_seqs] are zero.
     """
     if isinstance(num_seqs, int):
         num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=kv_lens.device)
     _check_options(softmax_scale, sliding_window, softcap)
+    if kv_layout not in ("head_major", "token_major"):
+        raise ValueError(f"kv_layout: expected 'head_major' or 'token_major', got {kv_layout!r}")
+    token_major = kv_layout == "token_major"
+    if token_major:
+        if v_cache is None:
+            raise ValueError("v_cache: required with kv_layout='token_major' (separate K/V caches)")
+        _check_tensor("kv_cache", kv_cache, 4, _CACHE_DTYPES)
+        _check_tensor("v_cache", v_cache, 4, _CACHE_DTYPES)
+        if v_cache.shape != kv_cache.shape:
+            raise ValueError(
+                f"v_cache: shape {tuple(v_cache.shape)} differs from kv_cache's "
+                f"{tuple(kv_cache.shape)}"
+            )
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    k_head, v_head = None, None
+    if token_major:
+        k_head, v_head = validate_quant(
+            q,
+            kv_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            k_head_scale,
+            v_head_scale,
+            cache_name="kv_cache",
+        )
+    else:
+        for name, val in (
+            ("k_scale", k_scale),
+            ("v_scale", v_scale),
+            ("k_head_scale", k_head_scale),
+            ("v_head_scale", v_head_scale),
+        ):
+            if val is not None:
+                raise ValueError(f"{name}: quantised caches need kv_layout='token_major'")
     n = validate_ragged(
         q,
-        kv_cache,
+        kv_cache.permute(0, 2, 1, 3) if token_major else kv_cache,
         kv_lens,
         page_table,
         cu_q_lens,
         num_seqs,
-        v_cache=v_cache,
+        v_cache=v_cache.permute(0, 2, 1, 3) if token_major else v_cache,
         new_kv=new_kv,
         check_data=validate,
+        token_major=token_major,
     )
-    if new_kv is not None:
+    if new_kv is not None and token_major:
+        t, page, row = _new_token_slots(
+            kv_lens, page_table, cu_q_lens, num_seqs, n, kv_cache.shape[1]
+        )
+        dev = kv_cache.device
+        page, row, new = page.to(dev), row.to(dev), new_kv[t.to(new_kv.device)]
+        _write_token_major(kv_cache, k_scale, new[:, 0::2], k_head, page, row)
+        _write_token_major(v_cache, v_scale, new[:, 1::2], v_head, page, row)
+    elif new_kv is not None:
         _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n)
     tokens = q.shape[0]
     kv_lens_p, page_table_p, cu_p = _pad_tables(_i32(kv_lens), _i32(page_table), _i32(cu_q_lens))
+    if token_major:
+        return _kvcache_call(
+            _pad_tokens(q, bucket_tokens(tokens)),
+            kv_cache,
+            v_cache,
+            kv_lens_p,
+            page_table_p,
+            cu_p,
+            _i32(num_seqs.reshape(1)),
+            softmax_scale,
+            sliding_window,
+            softcap,
+            causal,
+            scales=(k_scale, v_scale, k_head, v_head),
+        )[:tokens]
     out = rpa_op(
         _pad_tokens(q, bucket_tokens(tokens)),
         kv_cache,
@@ -494,19 +716,63 @@ def _pad_tables(kv_lens, page_table, cu_q_lens):
     return kv_lens, page_table, _pad_offsets(cu_q_lens, slots_p + 1)
 
 
-def _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n=None):
-    """kv_cache[page, :, row, :] = new_kv[t] for every new token t of a live sequence (in place)."""
+def _new_token_slots(kv_lens, page_table, cu_q_lens, num_seqs, n, page_size):
+    """(t, page, row) of every new token t of a live sequence: its cache page and row."""
     if n is None:
         n = int(num_seqs.reshape(-1)[0].item())
-    page_size = kv_cache.shape[2]
     cu = cu_q_lens.to(torch.int64)[: n + 1]
     ql = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(n, device=cu.device), ql)
     t = torch.arange(int(cu[-1]) if n else 0, device=cu.device)
     pos = kv_lens.to(torch.int64)[seq] - ql[seq] + (t - cu[seq])
     page = page_table.to(torch.int64)[seq, pos // page_size]
-    row = pos % page_size
+    return t, page, pos % page_size
+
+
+def _write_new_kv(kv_cache, new_kv, kv_lens, page_table, cu_q_lens, num_seqs, n=None):
+    """kv_cache[page, :, row, :] = new_kv[t] for every new token t of a live sequence (in place)."""
+    t, page, row = _new_token_slots(kv_lens, page_table, cu_q_lens, num_seqs, n, kv_cache.shape[2])
     kv_cache[page.to(kv_cache.device), :, row.to(kv_cache.device), :] = new_kv[t.to(new_kv.device)]
+
+
+def _kvcache_call(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    table,
+    cu,
+    ns,
+    softmax_scale,
+    sliding_window,
+    softcap,
+    causal,
+    scales=(None, None, None, None),
+):
+    """kvcache_op on padded tables; an 8-bit cache passes its scales, a float8 one crosses as its
+    uint8 bytes (read as e4m3 by the kernel). Unquantised calls keep the op's plain positional
+    form."""
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        table,
+        cu,
+        ns,
+        None if softmax_scale is None else float(softmax_scale),
+        sliding_window,
+        None if softcap is None else float(softcap),
+        bool(causal),
+    )
+    if k_cache.dtype not in _QUANT_DTYPES:
+        return kvcache_op(*args)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        args = args[:1] + (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) + args[3:]
+    k_scale, v_scale, k_head, v_head = scales
+    return kvcache_op(
+        *args, k_scale=k_scale, v_scale=v_scale, k_head_scale=k_head, v_head_scale=v_head
+    )
 
 
 def flash_attn_with_kvcache(
@@ -529,6 +795,11 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_head_scale: torch.Tensor | float | None = None,
+    v_head_scale: torch.Tensor | float | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """flash-attn's `flash_attn_with_kvcache` on the paged kernel.
@@ -539,6 +810,12 @@ def flash_attn_with_kvcache(
     attention then sees cache_seqlens + Sk_new keys, queries aligned to the end (causal is
     bottom-right). window_size=(left, right): left >= 0 sees keys p-left..p (right must be 0 with
     causal, -1 without window). softcap 0 means none. Returns out [B, Sq, H, D].
+    Quantised caches: int8 or float8_e4m3fn k_cache / v_cache with bfloat16 q (bf16 output),
+    dequantised in the kernel as value * k_scale[block, h, row] * k_head_scale[h] (keyword
+    arguments; either kind or both): k_scale / v_scale [num_blocks, Hkv, block_size] float32
+    per-token-per-head scales (block_size a multiple of 128), k_head_scale / v_head_scale [Hkv]
+    float32 (or a float) per-head static scales. New k/v (float) are quantised per token and head
+    (absmax) and written in place, their per-token scales into k_scale / v_scale.
     Not supported (raises): rotary embedding, cache_batch_idx, cache_leftpad, alibi, returning
     the log-sum-exp.
     """
@@ -554,12 +831,15 @@ def flash_attn_with_kvcache(
     if return_softmax_lse:
         raise ValueError("flash_attn_with_kvcache: return_softmax_lse=True is not supported")
     _check_tensor("q", q, 4, _FLOAT_DTYPES)
-    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
-    _check_tensor("v_cache", v_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("k_cache", k_cache, 4, _CACHE_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, _CACHE_DTYPES)
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}"
         )
+    k_head, v_head = validate_quant(
+        q, k_cache, v_cache, k_scale, v_scale, k_head_scale, v_head_scale
+    )
     B, sq, h, d = q.shape
     nb, bs, hkv, dc = k_cache.shape
     if block_table is None:
@@ -609,19 +889,20 @@ def flash_attn_with_kvcache(
         cu,
         ns,
         v_cache=v_cache.permute(0, 2, 1, 3),
+        token_major=True,
     )
     if new:
         cs = cache_seqlens.to(torch.int64)
         pos = cs[:, None] + torch.arange(new, device=cs.device)[None, :]  # [B, new]
-        page = torch.gather(block_table.to(torch.int64), 1, pos // bs)
-        row = pos % bs
-        k_cache[page.reshape(-1), row.reshape(-1)] = k.reshape(B * new, hkv, dc).to(k_cache.dtype)
-        v_cache[page.reshape(-1), row.reshape(-1)] = v.reshape(B * new, hkv, dc).to(v_cache.dtype)
+        page = torch.gather(block_table.to(torch.int64), 1, pos // bs).reshape(-1)
+        row = (pos % bs).reshape(-1)
+        _write_token_major(k_cache, k_scale, k.reshape(B * new, hkv, dc), k_head, page, row)
+        _write_token_major(v_cache, v_scale, v.reshape(B * new, hkv, dc), v_head, page, row)
     # Packed queries: the batch and the query length are data (cu_q_lens, num_seqs), the token
     # count and the table sizes are bucketed.
     tokens = B * sq
     kv_lens_p, table_p, cu_p = _pad_tables(_i32(kv_lens), _i32(block_table), _i32(cu))
-    out = kvcache_op(
+    out = _kvcache_call(
         _pad_tokens(q.reshape(tokens, h, d), bucket_tokens(tokens)),
         k_cache,
         v_cache,
@@ -629,10 +910,11 @@ def flash_attn_with_kvcache(
         table_p,
         cu_p,
         ns,
-        None if softmax_scale is None else float(softmax_scale),
+        softmax_scale,
         sliding_window,
         softcap_,
-        bool(causal),
+        causal,
+        scales=(k_scale, v_scale, k_head, v_head),
     )
     return out[:tokens].reshape(B, sq, h, d)
 
@@ -784,10 +1066,15 @@ def warmup_kvcache(
     window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_head_scale: torch.Tensor | float | None = None,
+    v_head_scale: torch.Tensor | float | None = None,
 ) -> int:
     """Compile, before serving, every kernel `flash_attn_with_kvcache` can need on these caches
     for batches of 1..`max_batch` sequences of `query_len` new query tokens each, with block
-    tables of `max_blocks` columns (decode: query_len=1). Returns the number of calls made."""
+    tables of `max_blocks` columns (decode: query_len=1). Quantised caches: pass the scales the
+    serving calls pass (the caches and scales are only read). Returns the number of calls made."""
     from .shape_buckets import bucket_count, bucket_tokens
 
     head_dim = k_cache.shape[-1]
@@ -798,7 +1085,8 @@ def warmup_kvcache(
         if key in seen:
             continue
         seen.add(key)
-        q = torch.zeros(batch, query_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+        q_dtype = torch.bfloat16 if k_cache.dtype in _QUANT_DTYPES else k_cache.dtype
+        q = torch.zeros(batch, query_len, num_heads, head_dim, dtype=q_dtype, device=device)
         table = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
         seqlens = torch.full((batch,), query_len, dtype=torch.int32, device=device)
         flash_attn_with_kvcache(
@@ -811,6 +1099,10 @@ def warmup_kvcache(
             causal=causal,
             window_size=window_size,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_head_scale=k_head_scale,
+            v_head_scale=v_head_scale,
         )
         calls += 1
     return calls
@@ -865,6 +1157,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_varlen_func",
     "validate_ragged",
+    "validate_quant",
+    "quantise",
     "rpa_op",
     "varlen_op",
     "kvcache_op",

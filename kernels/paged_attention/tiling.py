@@ -199,22 +199,40 @@ def choose_config(
     prefs += [(r, 512) for r in (1024, 512, 256)]
     prefs += [(r, t) for t in (256, 128) for r in (256, 128)]
     prefs += [(16 * group, t) for t in (128, 64, 32, 16)]
-    candidates = [
-        (
+    candidates = []
+    for r, t in prefs:
+        c = (
             config.block_q if config.block_q is not None else q_block(r),
             config.pages_per_block if config.pages_per_block is not None else kv_block(t),
         )
-        for r, t in prefs
-    ]
-    choice = next(
+        if c not in candidates:
+            candidates.append(c)
+    # Ranked with the shared model (tpu_generations.best_tiles) on the batch the static shapes
+    # describe (`decode_cost`); the preference order breaks its ties.
+    order = {c: i for i, c in enumerate(candidates)}
+    fitting = [
         (
-            c
-            for c in candidates
-            if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget
-        ),
-        candidates[-1],
-    )  # nothing fits: the smallest tiles (overrides taken as given)
-    block_q, ppb = choice
+            c,
+            decode_cost(
+                gen,
+                num_tokens=num_tokens,
+                num_kv_heads=num_kv_heads,
+                group=group,
+                head_dim=head_dim,
+                page_size=page_size,
+                pages_per_seq=pages_per_seq,
+                q_dtype=q_dtype,
+                kv_dtype=kv_dtype,
+                block_q=c[0],
+                pages_per_block=c[1],
+            ),
+        )
+        for c in candidates
+        if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget
+    ]
+    best = _generations.best_tiles(fitting, gen, tie_break=order.__getitem__)
+    # nothing fits: the smallest tiles (overrides taken as given)
+    block_q, ppb = best[0] if best is not None else candidates[-1]
     ppb = max(1, min(ppb, pages_per_seq))
     return PagedAttentionConfig(
         block_q=block_q,
@@ -222,6 +240,49 @@ def choose_config(
         max_items=config.max_items,
         vmem_limit_bytes=config.vmem_limit_bytes,
         stream_page_table=config.stream_page_table,
+    )
+
+
+def decode_cost(
+    gen: TpuGeneration,
+    *,
+    num_tokens: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    q_dtype,
+    kv_dtype,
+    block_q: int,
+    pages_per_block: int,
+) -> KernelCost:
+    """What the tile ranking charges a (block_q, pages_per_block) candidate when only static
+    shapes are known (the lengths are traced): `num_tokens` decoding sequences, each at the full
+    `pages_per_seq` context, the batch whose step count is largest. Each sequence is one (q
+    block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
+    once, q read and o written once, the work list in SMEM, and the MXU work of the path a
+    decode item takes (`narrow_rows` rows, or the whole q block when no narrow path is
+    compiled) over each item's KV block. No unit counts (paged dumps are not calibrated): the
+    shared model ranks it by max(MXU FLOP floor, DMA) + steps x step overhead, so fewer, larger
+    KV blocks win; block_q changes none of this and is left to the tie-break (larger q blocks
+    re-read a prefill's KV fewer times, which this batch does not show)."""
+    ppb = max(1, min(pages_per_block, pages_per_seq))
+    per_seq = -(-pages_per_seq // ppb)
+    steps = num_tokens * per_seq
+    rows = narrow_rows(group, block_q * group)
+    kv_tokens = pages_per_seq * page_size
+    kv_bytes = num_tokens * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
+    qo_bytes = 2 * num_tokens * group * num_kv_heads * head_dim * _itemsize(q_dtype)
+    table_bytes = 4 * (3 * num_tokens + 2 + num_tokens * pages_per_seq) + LAYOUT.nbytes(steps)
+    issued = 4 * num_tokens * per_seq * rows * ppb * page_size * head_dim * num_kv_heads
+    useful = 4 * num_tokens * group * kv_tokens * head_dim * num_kv_heads
+    return KernelCost(
+        useful_flops=int(useful),
+        mxu_flops=int(max(issued, useful)),
+        hbm_bytes=int(kv_bytes + qo_bytes + table_bytes),
+        min_hbm_bytes=int(kv_bytes + qo_bytes),
+        grid_steps=int(steps),
     )
 
 
@@ -555,6 +616,7 @@ __all__ = [
     "page_copy_plan",
     "copy_tile",
     "static_cost",
+    "decode_cost",
     "GENERATIONS",
     "SMEM_BUDGET_BYTES",
     "PAGE_TABLE_SMEM_BYTES",

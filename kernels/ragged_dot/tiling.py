@@ -4,12 +4,17 @@ Everything here is plain Python / numpy; `estimate_cost` replays exactly the sch
 runs: the static work list of schedule.py (built by the same function the jitted wrapper runs on
 `jax.numpy` arrays). Its names (work_list, LAYOUT, the F_* flags, ...) stay importable from here.
 
-Tile choice (per generation): a search over row tiles tm in {128, 256, 512, 1024} (capped by M)
-and K / N tiles (the whole dimension, or a divisor from 256 to 4096) for the least modelled time =
-MXU FLOPs with the expected row padding / peak + HBM bytes / bandwidth + grid steps x step
-overhead, the traffic from the same schedule as `estimate_cost` with evenly sized groups, among the
-tiles whose VMEM need fits the family's budget (tpu_generations.vmem_budget_bytes: half of
-the core's VMEM). The VMEM budget model counts every buffer
+Tile choice (per generation): gmm searches row tiles tm in {128, 256, 512, 1024} (capped by M)
+and K / N tiles (the whole dimension, or a divisor from 256 to 4096) among the tiles whose VMEM
+need fits the family's budget (tpu_generations.vmem_budget_bytes: half of the core's VMEM), ranked
+by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) on
+`gmm_candidate_cost`: the HBM bytes and grid steps of `estimate_cost`'s closed form, and what the
+expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
+calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
+its rows) plus the grid steps' own accumulator code; candidates within RANKING_TOLERANCE of the
+fastest go to the one moving the fewest HBM bytes. tgmm (no calibrated dumps yet) keeps the
+earlier search: least MXU FLOPs / peak + HBM bytes / bandwidth + steps x step overhead, added.
+The VMEM budget model counts every buffer
 the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
 scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
 is merged into the accumulator. Any of tm / tk / tn can be overridden; the rest are searched.
@@ -46,7 +51,9 @@ from .tpu_generations import (
     GENERATIONS,  # noqa: F401  (re-exported: tiling.GENERATIONS)
     KernelCost,
     TpuGeneration,
+    best_tiles,
     get_generation,
+    mxu_pushes,
 )
 
 __all__ = [
@@ -284,8 +291,109 @@ def check_gated_tn(tn: int, n: int, layout: str) -> None:
         raise ValueError(f"tiling: tn={tn} must be a multiple of 64 or the intermediate size {n}")
 
 
+# -------------------------------------------------------------------------------------------------
+# What the gmm's compute tiles push through each unit (the shared ranking model's inputs)
+# -------------------------------------------------------------------------------------------------
+
+# Elements of one straight-line window matmul's weight block: a wider block is cut into column
+# chunks of at most this many (tk x cols) elements, run in a loop (kernel.py's `_n_chunk`, the
+# same rule; tests/test_shared_contract.py checks the two agree).
+MAX_DOT_ELEMENTS = 2048 * 2048
+
+
+def window_cols(k_rows: int, cols: int) -> int:
+    """Columns per straight-line window matmul for a (k_rows, cols) weight block: cols itself
+    when the block is small enough, else the largest multiple of 128 dividing cols within
+    MAX_DOT_ELEMENTS."""
+    if k_rows * cols <= MAX_DOT_ELEMENTS or cols % 128:
+        return cols
+    best = 128
+    for c in range(128, cols, 128):
+        if cols % c == 0 and k_rows * c <= MAX_DOT_ELEMENTS:
+            best = c
+    return best
+
+
+def _weight_blocks(tn: int, gate_layout: Optional[str]) -> tuple[int, int]:
+    """(weight refs, columns of each) one gmm grid step multiplies: plain 1 x tn; the gated
+    gate_up gmm 2 x tn (concatenated: gate and up blocks) or 1 x 2 tn (interleaved)."""
+    if gate_layout == "concatenated":
+        return 2, tn
+    if gate_layout == "interleaved":
+        return 1, 2 * tn
+    return 1, tn
+
+
+def window_units(gen: TpuGeneration, rows, tk: int, cols: int, n_rhs: int, lhs_dtype) -> dict:
+    """What one window (an lhs row window of `rows` rows times `n_rhs` weight chunks of
+    (tk, cols), the kernel's `window` at one column chunk) pushes through the MXU and moves
+    through VMEM: the weight chunk is loaded whole whatever the rows (why a 16-row tail window
+    costs most of a full window, the dumps' VLOAD-bound tails), each MXU push streams 16 rows x
+    mxu_size of lhs, and the f32 accumulator rows are read and written back. `rows` may be an
+    array (one window per entry)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lb = _itemsize(lhs_dtype)  # the compute dtype: int8 / fp8 weights are widened to it
+    side = gen.mxu_size
+    pushes = n_rhs * (-(-rows // 16)) * -(-tk // side) * -(-cols // side)
+    weights = n_rhs * -(-tk * cols * lb // 4096)
+    lhs = pushes * side * lb // 256  # 16 rows x side of lhs per push, in 4 KiB vregs
+    acc = n_rhs * (-(-rows // 8)) * -(-cols // 128)
+    return {"mxu_pushes": pushes, "vmem_loads": weights + lhs + acc, "vmem_stores": acc}
+
+
+def _window_totals(gen, window_rows, window_counts, tk, cols, n_rhs, lhs_dtype) -> dict:
+    """Unit counts of `window_counts[i]` windows of `window_rows[i]` rows each, summed."""
+    counts = np.asarray(window_counts, dtype=np.float64)
+    u = window_units(gen, window_rows, tk, cols, n_rhs, lhs_dtype)
+    out = {key: int(round(float((counts * v).sum()))) for key, v in u.items()}
+    out["compute_tiles"] = int(round(float(counts.sum())))
+    return out
+
+
+def _step_vregs(tm: int, tn: int, gate_layout: Optional[str]) -> int:
+    """f32 accumulator vregs one grid step's own code zeroes / writes back (what the dumps' per
+    grid step bundles outside the windows scale with)."""
+    n_rhs, cols = _weight_blocks(tn, gate_layout)
+    return n_rhs * (-(-tm // 8)) * -(-cols // 128)
+
+
+def _expected_windows(m: int, num_groups: int, tm: int, unit: int):
+    """Row windows of gmm's work items for routed groups (sizes unknown at trace time) of
+    m / num_groups rows on average: the min(num_groups, m) group ends fall at random rows, so of
+    the ceil(m / tm) row tiles T (1 - (1 - 1/T)^ends) hold one and are cut into partial items;
+    the others are whole items (full chunks of row_chunk(tm) rows). A partial item runs full
+    chunks and one tail window whose rows are taken uniform over (0, min(chunk, 2 x the partial
+    items' mean rows)], in the smallest bucket covering them. Returns (items, [(rows, windows)]):
+    the call's windows per (N tile, K tile, column chunk)."""
+    tiles = -(-m // tm)
+    ends = min(num_groups, m)
+    cut = tiles * (1.0 - (1.0 - 1.0 / tiles) ** ends)
+    whole = tiles - cut
+    items = tiles + ends
+    partial = items - whole
+    rc = row_chunk(tm)
+    buckets = bucket_sizes(tm, unit)
+    windows = {}
+
+    def add(rows, count):
+        if count > 0:
+            windows[rows] = windows.get(rows, 0.0) + count
+
+    add(rc, whole * (tm // rc))
+    if tm % rc:
+        add(next(b for b in buckets if b >= tm % rc), whole)
+    mean = max(0.0, m - whole * tm) / partial
+    top = max(float(unit), min(float(rc), 2.0 * mean))
+    add(rc, partial * max(0.0, mean - top / 2) / rc)
+    prev = 0
+    for b in buckets:
+        add(b, partial * (min(b, top) - min(prev, top)) / top)
+        prev = b
+    return items, sorted(windows.items())
+
+
 def _search(gen, m, k, n, num_groups, unit, ov, need, traffic, tn_cands=None, extra_flops=None):
-    """The (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
+    """tgmm's search: the (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
     sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
     row tile, then to fewer grid steps. Fields given in `ov` are kept as given."""
     budget = vmem_budget_bytes(gen)
@@ -309,6 +417,117 @@ def _search(gen, m, k, n, num_groups, unit, ov, need, traffic, tn_cands=None, ex
                     smallest = (vm, (tm, tk, tn))
     # Nothing fits (only possible with an override): take the smallest; the compiler decides.
     return (best or smallest)[1]
+
+
+# gmm candidates whose ranked time is within this factor of the fastest are ties, ordered by
+# `_tie_break` (fewest HBM bytes, which the closed form counts exactly): the model's error on
+# whole gmm calls. At the benchmark rows' tiles it agrees with benchmarks' scheduled time within
+# 3.5% on average (single windows: within tile_model_calibration.json "gmm_tolerance", 16%,
+# errors that partly cancel over a call's windows).
+RANKING_TOLERANCE = 0.08
+
+
+def gmm_candidate_cost(
+    gen: TpuGeneration,
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype,
+    tm: int,
+    tk: int,
+    tn: int,
+    *,
+    quantised: bool = False,
+    gate_layout: Optional[str] = None,
+) -> KernelCost:
+    """The KernelCost the tile search ranks a gmm candidate by: `estimate_cost`'s closed form
+    for routed groups it cannot see (group sizes are traced): HBM bytes and grid steps of
+    `_gmm_traffic`, MXU FLOPs with the expected row padding, and the unit counts of the
+    expected row windows (`_expected_windows`) and of the grid steps' own accumulator code."""
+    lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+    unit = row_unit(lhs_dtype)
+    items, windows = _expected_windows(m, num_groups, tm, unit)
+    nbytes, steps = _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout)
+    flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
+    gated = gate_layout is not None
+    if gated:
+        flops = 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
+    kt, nt = -(-k // tk), -(-n // tn)
+    n_rhs, cols = _weight_blocks(tn, gate_layout)
+    cn = window_cols(tk, cols)
+    reps = nt * kt * (cols // cn)
+    units = _window_totals(
+        gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, n_rhs, lhs_dtype
+    )
+    if gate_layout == "interleaved":  # the epilogue's lane-selection matmul, once per out tile
+        units["mxu_pushes"] += nt * -(-m // tm) * mxu_pushes(gen, tm, 2 * tn, tn)
+    wn = 2 * n if gated else n
+    return KernelCost(
+        useful_flops=2 * m * k * n * (2 if gated else 1),
+        mxu_flops=int(flops),
+        hbm_bytes=int(nbytes),
+        min_hbm_bytes=m * k * lb + min(num_groups, m) * k * wn * wb + m * n * ob,
+        grid_steps=int(steps),
+        vmem_bytes=int(
+            gmm_vmem_bytes(
+                tm,
+                tk,
+                tn,
+                lhs_dtype,
+                rhs_dtype,
+                out_dtype,
+                k=k,
+                quantised=quantised,
+                gate_layout=gate_layout,
+            )
+        ),
+        step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
+        **units,
+    )
+
+
+def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised, gate_layout):
+    """The (tm, tk, tn) `best_tiles` ranks fastest (tpu_generations.ranked_seconds of
+    `gmm_candidate_cost`) among the candidates whose VMEM need fits the budget; fields given in
+    `ov` are kept as given. Nothing fits (only possible with an override): the smallest need."""
+    budget = vmem_budget_bytes(gen)
+    tms = _row_candidates(gen, m, unit, ov.get("tm"))
+    tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
+    tns = [ov["tn"]] if ov.get("tn") else tn_cands
+    fitting, smallest = [], None
+    for tm in tms:
+        for tk in tks:
+            for tn in tns:
+                cost = gmm_candidate_cost(
+                    gen,
+                    m,
+                    k,
+                    n,
+                    num_groups,
+                    *dtypes,
+                    tm,
+                    tk,
+                    tn,
+                    quantised=quantised,
+                    gate_layout=gate_layout,
+                )
+                # The tie-break's keys travel with the tiles (best_tiles hands it the tiles).
+                tiles = (tm, tk, tn, cost.hbm_bytes, cost.grid_steps)
+                if cost.vmem_bytes <= budget:
+                    fitting.append((tiles, cost))
+                if smallest is None or cost.vmem_bytes < smallest[0]:
+                    smallest = (cost.vmem_bytes, tiles)
+    best = best_tiles(fitting, gen, tie_break=_tie_break, within=RANKING_TOLERANCE)
+    return (best[0] if best is not None else smallest[1])[:3]
+
+
+def _tie_break(tiles):
+    """Among candidates within RANKING_TOLERANCE of the fastest: the fewest HBM bytes (exact,
+    where the bundles carry the model's error), then the fewest grid steps."""
+    return tiles[3], tiles[4]
 
 
 def _override(override, cls) -> dict:
@@ -346,20 +565,10 @@ def gmm_tiling(
         quantised = np.dtype(rhs_dtype).itemsize == 1
     ov = _override(override, GmmTiling)
     unit = row_unit(lhs_dtype)
-    lb, wb, ob = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
-
-    def traffic(tm, tk, tn, items):
-        return _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout)
-
     tn_cands = _dim_candidates(n, halves=True)
-    extra = None
     if gate_layout is not None:
         tn_cands = _gated_tn_candidates(n, gate_layout)
-
-        def extra(flops, tm, tk, tn):
-            return 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
-
-    tm, tk, tn = _search(
+    tm, tk, tn = _gmm_search(
         gen,
         m,
         k,
@@ -367,20 +576,10 @@ def gmm_tiling(
         num_groups,
         unit,
         ov,
-        lambda tm, tk, tn: gmm_vmem_bytes(
-            tm,
-            tk,
-            tn,
-            lhs_dtype,
-            rhs_dtype,
-            out_dtype,
-            k=k,
-            quantised=quantised,
-            gate_layout=gate_layout,
-        ),
-        traffic,
+        (lhs_dtype, rhs_dtype, out_dtype),
         tn_cands,
-        extra,
+        quantised,
+        gate_layout,
     )
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
@@ -667,6 +866,25 @@ def estimate_cost(
             + m * n * ob
             + (nonempty * wn * 4 * (int(quantised) + int(has_bias)))
         )
+        # What the windows push through each unit: every computing item runs NFULL full row
+        # windows and at most one tail window (its bucket), at each (N tile, K tile, column
+        # chunk); each output tile's first / last item zeroes / writes back its accumulator.
+        gen = get_generation(generation)
+        n_rhs, cols = _weight_blocks(tn, gate_layout)
+        cn = window_cols(tk, cols)
+        reps = nt * kt * (cols // cn)
+        tails = compute & (wl["BUCKET"] >= 0)
+        window_rows = [row_chunk(tm)] + list(buckets)
+        window_counts = [int(wl["NFULL"][compute].sum())] + [
+            int((tails & (wl["BUCKET"] == b)).sum()) for b in range(len(buckets))
+        ]
+        units = _window_totals(
+            gen, window_rows, [reps * c for c in window_counts], tk, cn, n_rhs, lhs_dtype
+        )
+        if gate_layout == "interleaved":
+            units["mxu_pushes"] += nt * -(-m // tm) * mxu_pushes(gen, tm, 2 * tn, tn)
+        out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
+        units["step_vregs"] = nt * out_tiles * _step_vregs(tm, tn, gate_layout)
         vmem = gmm_vmem_bytes(
             tm,
             tk,
@@ -701,6 +919,7 @@ def estimate_cost(
         hbm += out_bytes
         min_bytes = total * k * lb + total * n * wb + num_groups * k * n * ob
         vmem = tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
+        units = {}  # tgmm's windows are not calibrated: ranked by the FLOP floor
     if count_work_list:
         hbm += LAYOUT.nbytes(L)
     return KernelCost(
@@ -710,4 +929,5 @@ def estimate_cost(
         min_hbm_bytes=int(min_bytes),
         grid_steps=int(steps),
         vmem_bytes=int(vmem),
+        **units,
     )
