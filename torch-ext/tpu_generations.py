@@ -350,19 +350,9 @@ TILE_BUNDLE_MODELS: dict[str, TileBundleModel] = {
         step_vreg_bundles=0.89,
         step_fixed_bundles=211,
     ),
-    # No dump of v5p was read: v5e's constants (same MXU geometry), marked uncalibrated.
-    "v5p": TileBundleModel(
-        push_bundles=4.0,
-        mxu_issue=1.02,
-        vector_issue=1.42,
-        tile_fixed_bundles=16,
-        memory_issue=2.62,
-        step_vreg_bundles=1.53,
-        step_fixed_bundles=175,
-        vstore_slots=1,
-        calibrated=False,
-    ),
 }
+# No dump of v5p was read: v5e's constants (same MXU geometry), marked uncalibrated.
+TILE_BUNDLE_MODELS["v5p"] = dataclasses.replace(TILE_BUNDLE_MODELS["v5e"], calibrated=False)
 
 
 def tile_bundle_model(gen: TpuGeneration) -> TileBundleModel:
