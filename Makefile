@@ -11,11 +11,23 @@ PYTEST_ARGS ?=
 
 .PHONY: setup nix-check demo test format build bench publish publish-dry-run clean
 
-setup: $(VENV)/.installed .libtpu/.installed .torch-tpu-env/.installed .tokamax/.installed nix-check
+setup: $(VENV)/.installed $(VENV)/.repo-paths .libtpu/.installed .torch-tpu-env/.installed \
+	.tokamax/.installed nix-check
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# The repository's module folders go on the venv's path through one .pth file in its
+# site-packages, so scripts, benchmarks and tests run as programs import each other's modules by
+# name with no sys.path edits of their own; pytest reads the same list from pyproject.toml
+# (`pythonpath`; tests/test_shared_contract.py keeps the two equal).
+REPO_PATHS := tests scripts torch-ext benchmarks
+$(VENV)/.repo-paths: $(VENV)/.installed Makefile
+	$(PY) -c "import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
+		'pallas_tpu_kernels_repo.pth').write_text(''.join(str(pathlib.Path(d).resolve()) + '\n' \
+		for d in sys.argv[1:]))" $(REPO_PATHS)
 	touch $@
 
 # libtpu lives outside the venv: installed into the venv it would make jax look for a TPU.

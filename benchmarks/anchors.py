@@ -22,17 +22,14 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "torch-ext") not in sys.path:
-    sys.path.insert(0, str(ROOT / "torch-ext"))
 
-from blockspec_model import Operand, pipeline_bytes  # noqa: E402
-from tpu_generations import KernelCost  # noqa: E402
+from blockspec_model import Operand, pipeline_bytes
+from tpu_generations import KernelCost
 
 __all__ = [
     "GMM_TILING",

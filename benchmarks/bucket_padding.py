@@ -67,11 +67,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (HERE, ROOT / "tests", ROOT / "torch-ext"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
-import shape_buckets as SB  # noqa: E402
+import shape_buckets as SB
 
 EXPERTS, TOP_K, HIDDEN, MOE_I = 128, 8, 2048, 768
 HQ, HKV, D = 32, 8, 128

@@ -40,8 +40,9 @@ def measure_on_device(
         kind = row["kernel"]
         if row["impl"] != "ours":
             a = registry.anchor(kind, row["impl"])
-            fn, _ = a.compile_args(shape)
-            _, args = a.call(shape, small)
+            # a per-generation anchor (tokamax's gmm) runs the tiles it would pick on this chip
+            fn, _ = a.compile_args(shape, gen)
+            _, args = a.call(shape, small, gen)
         else:
             a = ours.ADAPTERS[kind]
             fn, _ = a.compile_args(shape, gen)

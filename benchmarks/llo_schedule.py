@@ -515,9 +515,6 @@ def dump_schedule(
 def _resolve(target: str):
     import importlib
 
-    for p in (HERE, ROOT / "tests", ROOT / "torch-ext"):
-        if str(p) not in sys.path:
-            sys.path.insert(0, str(p))
     mod, fn = target.split(":", 1)
     return getattr(importlib.import_module(mod), fn)
 

@@ -12,15 +12,11 @@ and its rows are left out of the results, never faked.
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT / "tests", ROOT / "torch-ext"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 __all__ = ["ADAPTERS", "load"]
 
@@ -340,6 +336,7 @@ class PagedAttention(Adapter):
             kv_dtype=shape.cache_dtype,
             generation=generation,
             config=tiles,
+            token_major=shape.layout == "token_major",
         )
 
     def schedule_trips(self, shape, generation):

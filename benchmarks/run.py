@@ -32,15 +32,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (HERE, ROOT / "tests", ROOT / "torch-ext"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import report  # noqa: E402
-import rows  # noqa: E402
-from registry import KINDS  # noqa: E402
-from tpu_generations import TESTED_GENERATIONS  # noqa: E402
+import report
+import rows
+from registry import KINDS
+from tpu_generations import TESTED_GENERATIONS
 
 RESULTS = report.RESULTS
 
@@ -98,7 +95,7 @@ def main(argv=None):
     if args.device == "tpu":
         os.environ.pop("JAX_PLATFORMS", None)
     kinds = tuple(args.kernel or KINDS)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
 
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}

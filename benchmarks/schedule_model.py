@@ -14,7 +14,9 @@ What a step executes comes from the compiled schedule (`work_model_inputs`: the 
 hot loop, its alternative MXU paths) and how many steps of each kind run from the kernel's own
 work list (`scheduled_from_work`), or, for tokamax's kernels timed on real TPUs, from their
 schedule metadata (benchmarks/validate_schedule.py, which applies the same `Machine` rule per
-step).
+step). Both read a step's predicated regions the same way (`split_bodies`,
+`first_last_regions`): an accumulator's init and write-out run once per output tile, and of the
+two sides of a `lax.cond` a step runs one, so neither is charged to every step.
 
 The DMA term overlaps with compute per step (double buffering hides one behind the other); a
 step whose bytes take longer than its bundles is memory-bound. One bundle per cycle is a lower
@@ -85,6 +87,116 @@ def _mxu_branches(sched: Schedule, regions) -> list:
     return regions if len(regions) > 1 else []
 
 
+# -------------------------------------------------------------------------------------------------
+# Predicated regions of a grid step: which run every step, which once per output tile, which are
+# alternatives (shared with benchmarks/validate_schedule.py, which charges tokamax's kernels by it)
+# -------------------------------------------------------------------------------------------------
+
+
+def grid_regions(sched: Schedule) -> list[tuple[int, int]]:
+    """(branch bundle, target bundle) of every predicated region inside the grid loop, nested
+    ones included, in program order: `Schedule.regions()` flattened. A region (`pl.when`,
+    `lax.cond`) is `sbr.rel (%p) target = $regionN` jumping over its body; bundles strictly
+    between the two are skipped when the branch is taken (a few of them are delay slots that
+    issue either way: ignored, < 5 bundles)."""
+    out: list[tuple[int, int]] = []
+
+    def walk(regions):
+        for r in regions:
+            out.append((r.branch, r.end))
+            walk(r.children)
+
+    walk(sched.regions())
+    return sorted(out)
+
+
+def _bodies(grid_bundles: int, regions) -> list[tuple[int, int]]:
+    """The (branch, end) of the step's alternative bodies, program order (see `split_bodies`)."""
+    regs = [tuple(r[:2]) for r in regions]
+    big = [r for r in regs if r[1] - r[0] - 1 >= 0.15 * grid_bundles]
+    bodies = [r for r in big if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in big)]
+    # Where the regions carry MXU push counts (the benchmark rows' models), a region with MXU
+    # work that starts where a body ends or ends where one starts is that `lax.cond`'s other side
+    # even below 15% (megablox's "other K tiles" side: 45 of a 308-bundle step on v6e).
+    for r in regions:
+        if len(r) > 2 and r[2] and tuple(r[:2]) not in bodies:
+            if any(b[1] == r[0] or r[1] == b[0] for b in bodies):
+                bodies.append(tuple(r[:2]))
+    return sorted(bodies)
+
+
+def split_bodies(grid_bundles: int, regions) -> tuple[list[int], list[tuple[int, int]], int]:
+    """(sizes of the grid step's alternative bodies in program order, the small regions, bundles
+    of the step outside the bodies), from the grid loop's size and its predicated regions as
+    (branch, end) pairs (`grid_regions`, any common origin). A body is a predicated region
+    holding >= 15% of the grid loop that does not contain another such region (a region around
+    the whole step, e.g. the skip of padded grid entries, is taken as always executed), or, where
+    the regions carry MXU push counts (`_region_rows`), a region with MXU work right beside a
+    body: the sides of a `lax.cond` (last K tile / other K tiles, masked / unmasked) of which
+    one step runs one."""
+    bodies = _bodies(grid_bundles, regions)
+    regs = [tuple(r[:2]) for r in regions]
+    small = [r for r in regs if r[1] - r[0] - 1 < 0.15 * grid_bundles and r not in bodies]
+    sizes = [b - a - 1 for a, b in bodies]
+    return sizes, small, grid_bundles - sum(sizes)
+
+
+def first_last_regions(regions, work: tuple[int, int]) -> tuple[int, int]:
+    """Bundles of the step's first-step and last-step regions: the accumulator's init (zeroing,
+    on an output tile's first step) and its finalize (write-out, on its last step), which run
+    once per output tile, not per grid step. `regions` are (branch, end[, MXU pushes, loads,
+    stores]) in program order; `work` the (first, last) bundle of the step's MXU work (its
+    alternative bodies, or the hot loop nest and its side regions). Init is the small region
+    ending right before the work, finalize the one starting right after it (the validator's
+    reading of splash's steps). Where the regions carry op counts, init must store without
+    loading (it writes constants; a weight-prepare region before the work loads what it stores
+    and runs every step) and finalize must load and store (it reads the accumulator): a region
+    that does not fit is left in the per-step charge. 0 where none is found."""
+    lo, hi = work
+    cand = [
+        r
+        for r in regions
+        if not (len(r) > 2 and r[2])  # MXU work is not init / finalize
+        and not (r[0] <= lo and hi <= r[1])  # a region around the work runs with it
+        and not (lo <= r[0] and r[1] <= hi)  # inside the work
+    ]
+    before = [r for r in cand if r[1] <= lo]
+    after = [r for r in cand if r[0] >= hi]
+    init = end = 0
+    if before:
+        r = max(before, key=lambda r: (r[0], r[1]))  # the innermost of the last
+        if len(r) < 5 or (r[4] > 0 and r[3] * 8 <= r[4]):
+            init = r[1] - r[0] - 1
+    if after:
+        r = min(after, key=lambda r: (r[0], r[1]))
+        if len(r) < 5 or (r[3] > 0 and r[4] > 0):
+            end = r[1] - r[0] - 1
+    return init, end
+
+
+def _region_rows(sched: Schedule, grid: Loop) -> list[list[int]]:
+    """The grid step's predicated regions as [branch, end, MXU pushes, loads, stores], relative to
+    the grid loop's first bundle (cacheable numbers for `first_last_regions`)."""
+    out = []
+
+    def walk(regions):
+        for r in regions:
+            seg = sched.region_segment(r)
+            out.append(
+                [
+                    r.branch - grid.start,
+                    r.end - grid.start,
+                    seg.mxu_pushes,
+                    seg.ops.get("vld", 0),
+                    seg.ops.get("vst", 0),
+                ]
+            )
+            walk(r.children)
+
+    walk(sched.regions(grid))
+    return sorted(out)
+
+
 def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
     for c in grid.children:
         if c.start <= lp.start and lp.end <= c.end:
@@ -106,6 +218,9 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
     # counted once): what `branch_runs` / `branch_pushes` charge.
     out.update(
         step_bundles=grid.bundles,
+        # every predicated region of the step (relative to the grid loop): what tells the regions
+        # that run once per output tile and the sides one step chooses from (`step_regions`)
+        regions=_region_rows(sched, grid),
         mxu_branches=[
             [r.bundles, sched.region_segment(r).mxu_pushes]
             for r in _mxu_branches(sched, mxu_regions)
@@ -135,6 +250,12 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
         side_bundles = [r.bundles for r in side]
         out.update(
             hot_is_grid=False,
+            # first and last bundle of the step's MXU work (the nest and the side regions),
+            # relative to the grid loop: init / finalize regions lie right outside it
+            work=[
+                min([nest.start] + [r.branch for r in side]) - grid.start,
+                max([nest.end] + [r.end for r in side]) - grid.start,
+            ],
             hot_bundles=hot.own_bundles,
             per_step_overhead_bundles=grid.bundles - nest.bundles - sum(side_bundles),
             side_region_mean_bundles=(
@@ -142,6 +263,41 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
             ),
         )
     return out
+
+
+def step_regions(model: dict) -> dict:
+    """How a grid step's predicated regions are charged, from a `work_model_inputs` model:
+    `first`/`last`, the bundles of the output tile's init and finalize regions
+    (`first_last_regions`: charged once per output tile, not per step), and where the hot loop is
+    the grid loop, `sides`, the step's alternative bodies (`split_bodies`: e.g. a gmm's "other K
+    tiles" / "last K tile" sides of a `lax.cond`, of which a step runs one). All zero / empty for
+    a model cached before the regions were recorded (every region is then charged per step)."""
+    regions = model.get("regions")
+    if "step_bundles" not in model:
+        return {"first": 0, "last": 0, "sides": []}
+    if regions is None:
+        # A model cached before the regions were recorded still has the step's alternative MXU
+        # paths (sibling regions with MXU work): the two sides of a `lax.cond` where the larger
+        # is a body by `split_bodies`' 15% rule. Init / finalize are not known: per step.
+        paths = [b for b, _ in model.get("mxu_branches") or ()]
+        big = len(paths) == 2 and max(paths) >= 0.15 * model["step_bundles"]
+        return {"first": 0, "last": 0, "sides": paths if model.get("hot_is_grid") and big else []}
+    sides: list[int] = []
+    if model.get("hot_is_grid"):
+        bodies = _bodies(model["step_bundles"], regions)
+        sizes = [b - a - 1 for a, b in bodies]
+        if bodies:
+            work = (bodies[0][0], bodies[-1][1])
+            sides = sizes if len(sizes) >= 2 else []
+        else:  # no alternative bodies: the step's MXU regions are its work
+            mxu = [r for r in regions if r[2]]
+            if not mxu:
+                return {"first": 0, "last": 0, "sides": []}
+            work = (min(r[0] for r in mxu), max(r[1] for r in mxu))
+    else:
+        work = tuple(model["work"])
+    first, last = first_last_regions(regions, work)
+    return {"first": first, "last": last, "sides": sides}
 
 
 def scheduled_from_work(
@@ -156,6 +312,8 @@ def scheduled_from_work(
     side_region_runs: float | None = None,
     branch_runs: Sequence[float] | None = None,
     branch_pushes: Sequence[float] | None = None,
+    output_tiles: float | None = None,
+    last_side_runs: float | None = None,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
@@ -190,6 +348,15 @@ def scheduled_from_work(
     costs its static bundles per static push (its loops' bodies counted once, so a rate per
     push) times the pushes it runs, and every step the bundles outside the paths.
 
+    A kernel that zeroes its accumulator on an output tile's first step and writes it out on its
+    last (`pl.when(k == 0)` / `pl.when(k == last)`) passes `output_tiles`, how many times those
+    regions run (per output tile, from its grid or work list): the init / finalize regions
+    `step_regions` finds are then charged that many times instead of once per grid step. A
+    kernel whose hot loop is the grid loop and whose step holds two sides of a `lax.cond` (a gmm's
+    "last K tile" side that also writes the output, and the "other K tiles" side) passes
+    `last_side_runs`, the busy steps taking the larger side: the others are charged the smaller
+    one, instead of every step both (the validator's charge of tokamax's steps).
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
@@ -202,6 +369,7 @@ def scheduled_from_work(
                 f"{name} has {len(per_path)} entries; the schedule has "
                 f"{len(paths)} alternative MXU paths"
             )
+    regions = step_regions(model)
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
@@ -225,7 +393,15 @@ def scheduled_from_work(
         )
     elif model.get("hot_is_grid"):
         busy = min(iterations, grid_steps)
-        bundles = busy * model["step_bundles"] + (grid_steps - busy) * model["idle_step_bundles"]
+        step, once = model["step_bundles"], 0.0
+        if output_tiles is not None:
+            step -= regions["first"] + regions["last"]
+            once += output_tiles * (regions["first"] + regions["last"])
+        if last_side_runs is not None and regions["sides"]:
+            last = min(last_side_runs, busy)
+            step -= sum(regions["sides"])
+            once += last * max(regions["sides"]) + (busy - last) * min(regions["sides"])
+        bundles = busy * step + once + (grid_steps - busy) * model["idle_step_bundles"]
     else:
         if model["per_step_overhead_bundles"] < 0:
             # regions counted twice when the model was read (a cache entry from before the nest's
@@ -234,8 +410,13 @@ def scheduled_from_work(
                 f"negative per-step bundles ({model['per_step_overhead_bundles']}) in a schedule "
                 "model: recompile the row"
             )
+        per_step, once = model["per_step_overhead_bundles"], 0.0
+        if output_tiles is not None:
+            per_step -= regions["first"] + regions["last"]
+            once = output_tiles * (regions["first"] + regions["last"])
         bundles = (
-            grid_steps * model["per_step_overhead_bundles"]
+            grid_steps * per_step
+            + once
             + iterations * model["hot_bundles"]
             + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
         )
@@ -263,6 +444,14 @@ def scheduled_from_work(
         "fixed_us": round(fixed * 1e6, 3),
         "xla_us": round(xla * 1e6, 3),
         "hot_iterations": round(iterations, 1),
+        # the regions charged by how often they run, not per step (0: none found, or a cached
+        # model without regions, or no count passed)
+        "per_tile_region_bundles": (
+            regions["first"] + regions["last"] if output_tiles is not None else 0
+        ),
+        "side_bundles": (
+            regions["sides"] if last_side_runs is not None and model.get("hot_is_grid") else []
+        ),
         "clock_hz": clock,
         "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
     }

@@ -116,6 +116,55 @@ def hot_iteration_flops(
     return None
 
 
+def per_tile_runs(kind: str, impl: str, shape, generation: str, info: dict, cost) -> dict:
+    """How often the implementation's once-per-output-tile code runs, from its grid or work list
+    (schedule_model.scheduled_from_work's `output_tiles`, `last_side_runs`): {} where not
+    known, and every region is then charged per grid step.
+
+    - our gmm: grid (N tiles, work items, K tiles); the accumulator is zeroed on the first K tile
+      of a row tile's first item and written on the last K tile of its last item: once per
+      (row tile, N tile), the work list's FIRST items times the N tiles;
+    - megablox / tokamax gmm: grid (N tiles, visits, K tiles); the accumulator is zeroed on each
+      visit's first K tile, and the step's `lax.cond` takes its "last K tile" side (which also
+      writes the output) on each visit's last K tile: grid steps / K tiles of each;
+    - JAX's flash_attention and splash: grid (batch and heads, q blocks, KV blocks); m, l and the
+      output accumulator are set up on a q block's first KV block and normalised and written on
+      its last: once per (batch, head, q block).
+    Our flash and paged kernels are charged through their work lists (`schedule_trips`)."""
+    if impl in ("anchor:splash", "anchor:flash_attention"):
+        import anchors
+
+        b = min(anchors.SPLASH_BLOCK if impl == "anchor:splash" else anchors.FLASH_BLOCK, shape.seq)
+        return {"output_tiles": float(shape.batch * shape.q_heads * -(-shape.seq // b))}
+    if kind != "ragged_dot":
+        return {}
+    if impl.startswith("anchor:megablox") or impl == "anchor:tokamax_gmm":
+        tk = info["tiling"][1]
+        per_tile = cost.grid_steps / -(-shape.k // tk)
+        return {"output_tiles": per_tile, "last_side_runs": per_tile}
+    if impl == "ours":
+        import numpy as np
+
+        import ours
+
+        T = ours.ADAPTERS[kind].mod.tiling
+        tm, _, tn = info["tiling"]
+        unit = T.row_unit(shape.dtype)
+        wl = T._fields(
+            T.work_list(
+                np.asarray(shape.group_sizes, np.int32),
+                m=shape.m,
+                tm=tm,
+                buckets=T.bucket_sizes(tm, unit),
+                unit=unit,
+                kind="gmm",
+            )
+        )
+        firsts = int(((wl["FLAGS"] & T.F_FIRST) != 0).sum())
+        return {"output_tiles": float(firsts * -(-shape.n // tn))}
+    return {}
+
+
 # A Mosaic kernel travels inside the lowered module as base64 MLIR bytecode in its custom call's
 # backend config; that bytecode carries source locations, so it is decoded and printed without
 # them before hashing.
@@ -185,12 +234,15 @@ def read_schedule(
     generation: str,
     use_cache: bool = True,
     cache_only: bool = False,
+    refresh: bool = False,
 ) -> dict | None:
     """The compiled schedule's summary for a row: the Mosaic kernel(s) and the XLA ops.
-    `cache_only`: None instead of compiling when the cache has no entry."""
+    `cache_only`: None instead of compiling when the cache has no entry. `refresh`: compile even
+    when the cache has an entry and replace it (an entry cached before the schedule model read
+    something it now needs, e.g. the grid step's predicated regions)."""
     row = f"{kind}|{impl}|{shape_name}|{generation}|"
     key = row + _source_hash(impl, kind)
-    cache = _load_cache() if use_cache else {}
+    cache = _load_cache() if use_cache and not refresh else {}
     if key in cache:
         return cache[key]
     try:
@@ -203,9 +255,12 @@ def read_schedule(
         if program and k.startswith(row) and e.get("_program") == program
     ]
     if same:  # the sources changed, the program did not
+        # prefer an entry whose model holds the grid step's regions (compiled since the model
+        # reads them): an older one charges every region per step
+        same.sort(key=lambda e: "regions" not in e.get("_model", {}))
         _save_cache({key: same[0]})
         return same[0]
-    if cache_only:
+    if cache_only and not refresh:
         return None
     full = f"ours:{kind}" if impl == "ours" else impl
     target, args, _ = schedule_targets.resolve(full, shape_name)
@@ -259,7 +314,7 @@ def read_schedule(
         entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
     entry["_program"] = program
     # A compile that ran out of time says nothing about the program: not cached.
-    if use_cache and not entry.get("error", "").startswith("Command '"):
+    if (use_cache or refresh) and not entry.get("error", "").startswith("Command '"):
         _save_cache({key: entry})
     return entry
 
@@ -306,6 +361,7 @@ def schedule_entry(
             flops_per_hot_iteration=flops,
             generation=GENERATIONS[generation],
             **(trips or {}),
+            **per_tile_runs(kind, impl, shape, generation, info, cost),
         )
         out.update(t)
         # The unit that bounds the call: DMA, the MXU floor, or the hot loop's fullest unit.
@@ -315,3 +371,26 @@ def schedule_entry(
         out["bound"] = hot.get("bound")
         out["why_no_time"] = "hot-loop work per iteration not modelled for this implementation"
     return out
+
+
+def main(argv=None) -> None:
+    """Recompile rows whose cache entries predate what the schedule model now reads (e.g. the grid
+    step's predicated regions) and replace their entries; `run.py --retime` then retimes them."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("kind", help="ragged_dot, flash_attention or paged_attention")
+    p.add_argument("shape", help="a named benchmark shape of that family")
+    p.add_argument("--impl", nargs="+", default=["ours"], help="ours and/or anchor:NAME")
+    p.add_argument("--generation", nargs="+", default=["v5e", "v6e", "tpu7x"])
+    args = p.parse_args(argv)
+    for gen in args.generation:
+        for impl in args.impl:
+            t0 = time.time()
+            e = read_schedule(args.kind, impl, args.shape, gen, refresh=True)
+            got = "regions" in (e or {}).get("_model", {})
+            print(f"{args.kind} {impl} {args.shape} {gen}: {time.time() - t0:.0f}s, regions {got}")
+
+
+if __name__ == "__main__":
+    main()

@@ -123,3 +123,85 @@ def describe() -> str:
         lines.append(f"{kind}: implementations {', '.join(impls)}")
         lines.append(f"  shapes: {', '.join(s.name for s in rows + shapes.SMALL.get(kind, []))}")
     return "\n".join(lines)
+
+
+def compile_tgmm_tiles(generation: str, shape: str, tiles):
+    """Our tgmm (weight gradient: lhs [M, K], dout [M, N] -> [G, K, N]) at the named ragged
+    benchmark shape's M / K / N / groups with explicit tiles (tm, tk, tn): the tgmm points of the
+    tile-ranking calibration (tile_model_calibration.json "tgmm_points") were dumped with it
+    (op-name filter ragged_dot_tgmm)."""
+    import jax
+    import jax.numpy as jnp
+
+    import ours
+    import tpu_compile
+
+    s = _shape("ragged_dot", shape)
+    mod = ours.ADAPTERS["ragged_dot"].mod
+    t = mod.tiling.TgmmTiling(*tiles)
+    dt = jnp.dtype(s.dtype)
+
+    def fn(lhs, dout, gs):
+        return mod.kernel.tgmm(lhs, dout, gs, out_dtype=dt, tiling=t, generation=generation)
+
+    avals = [((s.m, s.k), dt), ((s.m, s.n), dt), ((s.experts,), jnp.int32)]
+    with jax.default_device(tpu_compile.tpu_device(generation)):
+        return tpu_compile.lower_for(generation, fn, *avals).compile()
+
+
+def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = False):
+    """Our flash backward at the named flash benchmark shape with explicit backward tiles
+    (block_q_bwd, block_q_compute_bwd, block_kv_bwd, block_kv_compute_bwd): two passes (op-name
+    filters flash_attention_dkdv and flash_attention_dq) or, with `fused`, the one kernel that
+    keeps dq in VMEM (flash_attention_dkdvq). The backward points of the tile-ranking calibration
+    (tile_model_calibration.json "bwd_points") were dumped with it. The VMEM limit is the one
+    choose_tiles would grant these tiles."""
+    import jax
+    import jax.numpy as jnp
+
+    import ours
+    import tpu_compile
+
+    s = _shape("flash_attention", shape)
+    mod = ours.ADAPTERS["flash_attention"].mod
+    T = mod.tiling
+    gen = T.get_generation(generation)
+    bq, bqc, bk, bkc = tiles
+    groups = s.q_heads // s.kv_heads
+    dt = jnp.dtype(s.dtype)
+    seq_q = -(-s.seq // bq) * bq if fused else None
+    need = T.vmem_need_bwd(groups, s.head_dim, dt.itemsize, bq, bk, False, bqc, bkc, seq_q)
+    t = T.Tiles(
+        bq,
+        bk,
+        bkc,
+        bq,
+        bk,
+        block_q_compute=bqc,
+        block_q_compute_bwd=bqc,
+        block_kv_compute_bwd=bkc,
+        fused_bwd=fused,
+        vmem_limit_bytes_bwd=T.vmem_limit_bytes(gen, need),
+    )
+    window = (s.window - 1, 0) if s.window else (-1, -1)
+
+    def fn(q, k, v, o, lse, do):
+        return mod.kernel.flash_attention_bwd(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do,
+            causal=s.causal,
+            window_size=window,
+            softcap=s.softcap or 0.0,
+            tiles=t,
+            generation=generation,
+        )[:3]
+
+    qs = ((s.batch, s.q_heads, s.seq, s.head_dim), dt)
+    kvs = ((s.batch, s.kv_heads, s.seq, s.head_dim), dt)
+    lse = ((s.batch, s.q_heads, s.seq), jnp.float32)
+    with jax.default_device(tpu_compile.tpu_device(generation)):
+        return tpu_compile.lower_for(generation, fn, qs, kvs, kvs, qs, lse, qs).compile()

@@ -190,8 +190,7 @@ NAMED = {
         # Long context: one sequence of 131072 tokens decoding.
         PagedShape("llama3_8b_decode_b1_ctx131072", ((1, 131072),), 32, 8, 128, page_size=128),
         # The decode batch over the caches flash-attn / vLLM / Transformers keep (token-major
-        # K and V), in bf16 and quantised to int8 with per-token-per-head scales (e4m3 pages
-        # move the same bytes; its compile did not fit the session that added these rows).
+        # K and V), in bf16 and quantised to int8 with per-token-per-head scales.
         PagedShape(
             "llama3_8b_decode_b64_ctx8192_token_major",
             tuple((1, 8192) for _ in range(64)),
@@ -210,6 +209,19 @@ NAMED = {
             page_size=128,
             layout="token_major",
             kv_dtype="int8",
+        ),
+        # The same batch over float8_e4m3fn pages (per-token-per-head scales): the int8 row's
+        # bytes, its pages decoded with integer ops (no 8-bit float unit on v5e). The anchor
+        # keeps its own bf16 cache, as for int8 (it has no 8-bit KV path to compare).
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192_fp8",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+            layout="token_major",
+            kv_dtype="float8_e4m3fn",
         ),
     ],
 }

@@ -49,9 +49,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (HERE, ROOT / "tests", ROOT / "torch-ext"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 RESULTS = HERE / "results" / "results.json"
 
@@ -223,7 +220,7 @@ def paged_kernel_bytes(tp: int, generation: str, shape=LLAMA3_8B) -> int:
 # Collectives in a compiled HLO module
 # -------------------------------------------------------------------------------------------------
 
-from llo_schedule import DTYPE_BYTES  # noqa: E402  (HLO dtype -> bytes, one table)
+from llo_schedule import DTYPE_BYTES
 
 COLLECTIVE_OPS = (
     "ragged-all-to-all",
@@ -720,7 +717,7 @@ def main(argv=None) -> int:
         "(its prose figures are checked by tests/test_sharded_rows.py, not rewritten)",
     )
     args = parser.parse_args(argv)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
     section = compute(not (args.no_compile or args.keep_compiled), log)
     if args.no_compile:
         print(json.dumps(section, indent=1))

@@ -320,7 +320,6 @@ def _compile_for():
     """tests/tpu_compile.compile_for, with the target generation's device as jax's default device
     while tracing: tokamax's pipelined gmm asks `pltpu.get_tpu_info()` (the default device's kind)
     for DMA tilings at trace time."""
-    sys.path.insert(0, str(ROOT / "tests"))
     import jax
 
     from tpu_compile import compile_for, tpu_device
@@ -448,28 +447,21 @@ def compile_ragged(
 
 
 def _llo():
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
     import llo_schedule
 
     return llo_schedule
 
 
+def _model():
+    _llo()
+    import schedule_model
+
+    return schedule_model
+
+
 def grid_regions(sched) -> list[tuple[int, int]]:
-    """(branch bundle, target bundle) of every predicated region inside the grid loop, nested
-    ones included, in program order: `llo_schedule.Schedule.regions()` flattened. A region
-    (`pl.when`, `lax.cond`) is `sbr.rel (%p) target = $regionN` jumping over its body; bundles
-    strictly between the two are skipped when the branch is taken (a few of them are delay
-    slots that issue either way: ignored, < 5 bundles)."""
-    out: list[tuple[int, int]] = []
-
-    def walk(regions):
-        for r in regions:
-            out.append((r.branch, r.end))
-            walk(r.children)
-
-    walk(sched.regions())
-    return sorted(out)
+    """`schedule_model.grid_regions`: the grid loop's predicated regions, (branch, target)."""
+    return _model().grid_regions(sched)
 
 
 def _dtype_bytes():
@@ -636,7 +628,6 @@ class ModelParams:
 
 
 def _gen(name: str):
-    sys.path.insert(0, str(ROOT / "torch-ext"))
     from tpu_generations import GENERATIONS
 
     return GENERATIONS[name]
@@ -646,8 +637,6 @@ def _machine(gen, p: ModelParams, clock_hz: float, hbm_share: int = 1, mxu_share
     """The one step-time rule of the row model (schedule_model.Machine), at this fit's clock and
     step overhead, for a kernel that gets 1/hbm_share of the chip's HBM bandwidth and
     1/mxu_share of its MXU peak."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
     from schedule_model import Machine
 
     return Machine(
@@ -659,17 +648,10 @@ def _machine(gen, p: ModelParams, clock_hz: float, hbm_share: int = 1, mxu_share
 
 
 def split_bodies(struct: dict) -> tuple[list[int], list[tuple[int, int]], int]:
-    """(sizes of the grid step's alternative bodies in program order, the small regions,
-    bundles of the step outside the bodies). A body is a predicated region holding >= 15% of the
-    grid loop that does not contain another such region (a region around the whole step, e.g. the
-    skip of padded grid entries, is taken as always executed)."""
-    loop = struct["grid_loop"]
-    regs = [tuple(r) for r in struct["regions"]]
-    big = [r for r in regs if r[1] - r[0] - 1 >= 0.15 * loop]
-    bodies = [r for r in big if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in big)]
-    small = [r for r in regs if r not in big]
-    sizes = [b - a - 1 for a, b in sorted(bodies)]
-    return sizes, small, loop - sum(sizes)
+    """`schedule_model.split_bodies` of a compiled kernel's structure (`kernel_structure`): the
+    sizes of the grid step's alternative bodies, the small regions, the bundles outside the
+    bodies. The benchmark rows' schedule model charges its anchors' steps by the same rule."""
+    return _model().split_bodies(struct["grid_loop"], struct["regions"])
 
 
 def predict_attention(row: AttentionRow, struct: dict, p: ModelParams) -> dict:
@@ -684,10 +666,7 @@ def predict_attention(row: AttentionRow, struct: dict, p: ModelParams) -> dict:
     # regions right before the first body and right after the last one.
     init = end = 0
     if bodies:
-        before = [r for r in small if r[1] <= bodies[0][0] and r[0] >= 0]
-        after = [r for r in small if r[0] >= bodies[-1][1]]
-        init = (before[-1][1] - before[-1][0] - 1) if before else 0
-        end = (after[0][1] - after[0][0] - 1) if after else 0
+        init, end = _model().first_last_regions(small, (bodies[0][0], bodies[-1][1]))
     common = rest - init - end
     if len(sizes) >= 2:
         unmasked, masked = sizes[0], sizes[1]

@@ -25,11 +25,9 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collection import ROOT, Collection, KernelEntry, load_collection  # noqa: E402
+from collection import ROOT, Collection, KernelEntry, load_collection
 
 TORCH_EXT = ROOT / "torch-ext"  # shared files vendored into every package
 VARIANTS = {"tpu": "torch-tpu", "cpu": "torch-cpu"}

@@ -23,10 +23,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(DIST / "hub-cache")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from collection import load_collection  # noqa: E402
+from collection import load_collection
 
 failures: list[str] = []
 

@@ -18,8 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collection import load_collection  # noqa: E402
+from collection import load_collection
 
 ROOT = Path(__file__).resolve().parent.parent
 

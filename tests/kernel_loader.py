@@ -8,16 +8,13 @@ with `kernels.get_local_kernel`, so every test also exercises the packaging.
 from __future__ import annotations
 
 import functools
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "torch-ext"))
+import build
+import collection
 
-import build  # noqa: E402
-import collection  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 _BUILD_DIR = Path(tempfile.mkdtemp(prefix="ptk-test-build-"))
 

@@ -216,8 +216,13 @@ def test_local_kernels_override(toy_repo, monkeypatch):
 
 
 def _offline_script(cache: Path, body: str) -> subprocess.CompletedProcess:
+    # The built package must load from the cache alone: the repository's module folders (on the
+    # dev venv's path through its .pth, Makefile REPO_PATHS) leave the path first.
     code = (
-        "import os\n"
+        "import os, sys\nfrom pathlib import Path\n"
+        f"root = Path({str(ROOT)!r})\n"
+        "sys.path[:] = [p for p in sys.path "
+        "if not (Path(p).parent == root and not Path(p).name.startswith('.'))]\n"
         "os.environ['HF_HUB_OFFLINE'] = '1'\n"
         f"os.environ['HF_HUB_CACHE'] = {str(cache)!r}\n"
         "import torch\nfrom kernels import get_kernel\n" + body

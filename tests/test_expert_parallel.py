@@ -16,17 +16,15 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_loader
+import tpu_compile
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # run as a script: find kernel_loader and tpu_compile
-    sys.path.insert(0, str(HERE))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import kernel_loader  # noqa: E402
-import tpu_compile  # noqa: E402
 
 rd = kernel_loader.load_kernel("ragged_dot")
 EP = importlib.import_module(rd.__name__ + ".expert_parallel")
@@ -121,7 +119,7 @@ def case_bad_input():
 
     mesh = _mesh()
     x, ids, weights, w_gate_up, w_down, _ = _problem()
-    run = lambda *a, **k: EP.expert_parallel_moe(*a, mesh=mesh, interpret=True, **k)  # noqa: E731
+    run = lambda *a, **k: EP.expert_parallel_moe(*a, mesh=mesh, interpret=True, **k)
     with pytest.raises(ValueError, match="does not divide the 12 experts"):
         run(x, ids % 12, weights, w_gate_up[:12], w_down[:12])
     with pytest.raises(ValueError, match="does not divide the 12 tokens"):

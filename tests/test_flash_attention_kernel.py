@@ -4,6 +4,8 @@ and small shapes in TPU interpret mode (races, NaN-filled memory, raising out-of
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -758,3 +760,90 @@ def test_pallas_calls_carry_estimate_cost(fused):
             # one exp per computed score element plus one per row per score tile
             rows_tiles = got[0].flops // (4 * 128 * tiles.block_kv_compute)
             assert got[0].transcendentals == got[0].flops // (4 * 128) + rows_tiles
+
+
+# -------------------------------------------------------------------------------------------------
+# The backward's per-tile bundle model against libtpu's LLO dumps
+# -------------------------------------------------------------------------------------------------
+
+CALIBRATION = (
+    Path(__file__).resolve().parent.parent
+    / "benchmarks"
+    / "results"
+    / "tile_model_calibration.json"
+)
+
+
+def _bwd_model_bundles(p):
+    g = T.GENERATIONS[p["generation"]]
+    u = T.bwd_tile_units(
+        g,
+        p["rows"],
+        p["cols"],
+        p["head_dim"],
+        p["pass"],
+        softcap=p["softcap"],
+        two_edges=p["two_edges"],
+    )
+    valu = u["valu_ops"] + (u["masked_valu_ops"] if p["masked"] else 0.0)
+    return u, fa.tpu_generations.tile_bundles(
+        g, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
+    )
+
+
+def test_backward_tile_model_matches_the_dumps():
+    """bwd_tile_units through the shared bundle model stays within BWD_RANKING_TOLERANCE of the
+    bundles per tile of every dumped backward loop (tile_model_calibration.json "bwd_points":
+    the dq, dk/dv and fused passes on v5e, v6e and TPU7x, mask-free and masked loops, each with
+    the command that dumped it), calibration and held-out points alike."""
+    points = json.loads(CALIBRATION.read_text())["bwd_points"]
+    assert {p["pass"] for p in points} == set(T.BWD_PASSES)
+    assert {p["generation"] for p in points} == {"v5e", "v6e", "tpu7x"}
+    assert {p["role"] for p in points} == {"calibration", "held-out"}
+    assert 0 < T.BWD_RANKING_TOLERANCE <= 0.1
+    for p in points:
+        u, model = _bwd_model_bundles(p)
+        # the loop body holds a whole number of this tile's MXU pushes
+        assert p["hot_loop_vmatmul"] == p["tiles_per_iteration"] * u["mxu_pushes"], p
+        assert p["dump_bundles_per_tile"] == pytest.approx(
+            p["hot_loop_bundles"] / p["tiles_per_iteration"], abs=0.1
+        )
+        assert p["command"]
+        # the recorded model figure is what the code computes now (a refit updates both)
+        assert model == pytest.approx(p["model_bundles_per_tile"], abs=1.0), p
+        err = model / p["dump_bundles_per_tile"] - 1
+        assert abs(err) <= T.BWD_RANKING_TOLERANCE, (p["generation"], p["pass"], p["tiles"], err)
+
+
+def test_backward_cost_counts_tile_units():
+    """estimate_cost(pass_="bwd") carries the per-unit counts choose_tiles ranks the backward
+    by: the two-pass backward sums both passes' tiles, the fused one has 5 matmuls per tile."""
+    kw = dict(
+        batch=1,
+        num_q_heads=8,
+        num_kv_heads=2,
+        q_len=2048,
+        kv_len=2048,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        causal=True,
+        generation="v6e",
+    )
+    base = T.Tiles(512, 512, 512, 512, 512, block_q_compute=256, block_q_compute_bwd=256)
+    g = T.GENERATIONS["v6e"]
+    two = T.estimate_cost(tiles=base, pass_="bwd", **kw)
+    fused = T.estimate_cost(tiles=dataclasses.replace(base, fused_bwd=True), pass_="bwd", **kw)
+    rows, cols = 4 * 256, 512
+    # per pass: live tiles; the two-pass walks each tile twice (dk/dv, then dq)
+    assert two.compute_tiles == 2 * fused.compute_tiles > 0
+    assert 0 < fused.masked_tiles < fused.compute_tiles
+    n = fused.compute_tiles
+    dkv, dq, fu = (T.bwd_tile_units(g, rows, cols, 128, p) for p in ("dkv", "dq", "fused"))
+    assert fused.mxu_pushes == n * fu["mxu_pushes"]
+    assert two.mxu_pushes == n * (dkv["mxu_pushes"] + dq["mxu_pushes"])
+    assert fu["mxu_pushes"] == dkv["mxu_pushes"] + dq["mxu_pushes"] // 3
+    m = fused.masked_tiles
+    assert fused.valu_ops == pytest.approx(n * fu["valu_ops"] + m * fu["masked_valu_ops"], abs=1)
+    assert two.eup_pushes == 2 * fused.eup_pushes == 2 * n * rows * cols // 1024
+    with pytest.raises(ValueError, match="pass_"):
+        T.bwd_tile_units(g, rows, cols, 128, "dkdv")

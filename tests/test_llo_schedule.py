@@ -173,6 +173,144 @@ def test_alternative_mxu_paths_charge_only_the_path_taken():
         )
 
 
+# A gmm-like grid step (hot loop below the grid loop): a `pl.when(first)` region zeroing the
+# accumulator (bundles 3-5: stores only), the hot loop (bundles 7-9), a `pl.when(last)` region
+# writing the accumulator out (bundles 11-12: loads and stores). Grid loop: bundles 1-14.
+_PER_TILE = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %v2 = vld [vmem:[%s1] sm:$0xff] }
+   0x2   : > { %3 = sbr.rel (%p1) target = $region3 }
+   0x3   : > { %4 = vst [vmem:[%s1] sm:$0xff] %v2 }
+   0x4   : > { %5 = vst [vmem:[%s1] sm:$0xff] %v2 }
+   0x5   : > { %6 = vst [vmem:[%s1] sm:$0xff] %v2 }
+   0x6   : > { %s7 = smov 0 } /* Start region 3 */
+   0x7 LB: >> { %v8 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x8   : >> { %v9 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x9   : >> { %v10 = vpop.f32.mrf.mxu0 }
+   0xa   : > { %11 = sbr.rel (%p2) target = $region4 }
+   0xb   : > { %v12 = vld [vmem:[%s1] sm:$0xff] }
+   0xc   : > { %13 = vst [vmem:[%s1] sm:$0xff] %v12 }
+   0xd   : > { %v14 = vadd.f32 %v2, %v2 } /* Start region 4 */
+   0xe   : > { %15 = sbr.rel (%p3) target = $region2 }
+   0xf   :  { %16 = vsyncpa [#allocation3], 0 }
+"""
+
+
+class _Gen:  # one bundle per ns, 1 byte per ns, no MXU floor, no fixed per-step cost
+    clock_hz, hbm_bytes_per_s, bf16_flops, step_overhead_s = 1e9, 1e9, 1e30, 0.0
+
+
+def _sched(text: str) -> L.Schedule:
+    bundles = L.parse_bundles(text)
+    mxu = [1 if any(op.startswith("vmatmul") for op in b.ops) else 0 for b in bundles]
+    util = [[m, 0, 0, 0, 0, 0, 0, 0, 0, 1] for m in mxu]
+    return L.Schedule("t", bundles, util, {u: 1 for u in L.UNITS}, "v6e")
+
+
+def test_init_and_write_back_regions_are_charged_per_output_tile():
+    """Our gmm zeroes its accumulator on an output tile's first step and writes it on the last:
+    those regions run once per output tile, not once per grid step."""
+    s = _sched(_PER_TILE)
+    assert s.hot_loop() is not s.grid_loop()
+    model = M.work_model_inputs(s)
+    assert model["step_bundles"] == 14 and model["per_step_overhead_bundles"] == 11
+    assert M.step_regions(model) == {"first": 3, "last": 2, "sides": []}
+    kw = dict(mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=_Gen, hot_iterations=10)
+    t = M.scheduled_from_work(model, output_tiles=2, **kw)
+    # 10 steps x (11 - 5) bundles, init + write-back on 2 output tiles, 10 hot iterations of 3,
+    # prologue + epilogue
+    assert t["scheduled_us"] == pytest.approx((10 * 6 + 2 * 5 + 10 * 3 + 2) * 1e-3)
+    assert t["per_tile_region_bundles"] == 5
+    # without the count (an implementation that does not know it) every step pays them
+    per_step = M.scheduled_from_work(model, **kw)
+    assert per_step["scheduled_us"] == pytest.approx((10 * 11 + 10 * 3 + 2) * 1e-3)
+    # a model cached before the regions were recorded keeps the per-step charge
+    old = {k: v for k, v in model.items() if k != "regions"}
+    assert M.scheduled_from_work(old, output_tiles=2, **kw)["scheduled_us"] == pytest.approx(
+        per_step["scheduled_us"]
+    )
+
+
+def test_first_last_regions_need_the_init_and_write_back_signatures():
+    # (branch, end, MXU pushes, loads, stores); the work spans bundles 10-20
+    init, prep, fin = [2, 6, 0, 0, 8], [6, 9, 0, 4, 4], [21, 25, 0, 6, 2]
+    assert M.first_last_regions([init, fin], (10, 20)) == (3, 3)
+    # a per-step region that loads what it stores (an int8 -> bf16 weight copy) right before
+    # the work is not an accumulator init: it stays in the per-step charge
+    assert M.first_last_regions([init, prep, fin], (10, 20)) == (0, 3)
+    # MXU regions and regions around or inside the work are neither
+    assert M.first_last_regions([[21, 25, 4, 6, 2], [0, 30, 0, 1, 1]], (10, 20)) == (0, 0)
+    # without op counts (the validator's structures) the adjacent small regions are taken
+    assert M.first_last_regions([(2, 6), (6, 9), (21, 25)], (10, 20)) == (2, 3)
+
+
+# A megablox-like grid step (hot loop = grid loop): a `pl.when(k == 0)` zeroing region (bundle
+# 3), then the two sides of `lax.cond(k == last)`: the last-K-tile side, which also stores the
+# output (bundles 5-8), and the other-K-tiles side (bundles 10-12). Grid loop: bundles 1-14.
+_SIDES = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %v2 = vld [vmem:[%s1] sm:$0xff] }
+   0x2   : > { %3 = sbr.rel (%p1) target = $region3 }
+   0x3   : > { %4 = vst [vmem:[%s1] sm:$0xff] %v2 }
+   0x4   : > { %5 = sbr.rel (%p2) target = $region5 } /* Start region 3 */
+   0x5   : > { %v6 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x6   : > { %v7 = vpop.f32.mrf.mxu0 }
+   0x7   : > { %v8 = vadd.f32 %v7, %v2 }
+   0x8   : > { %9 = vst [vmem:[%s1] sm:$0xff] %v8 }
+   0x9   : > { %10 = sbr.rel (%p3) target = $region6 } /* Start region 5 */
+   0xa   : > { %v11 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xb   : > { %v12 = vpop.f32.mrf.mxu0 }
+   0xc   : > { %v13 = vadd.f32 %v12, %v2 }
+   0xd   : > { %s14 = smov 0 } /* Start region 6 */
+   0xe   : > { %15 = sbr.rel (%p4) target = $region2 }
+   0xf   :  { %16 = vsyncpa [#allocation3], 0 }
+"""
+
+
+def test_cond_sides_charge_one_side_per_step():
+    """A step holding both sides of a `lax.cond` runs one: the last K tile of each output tile
+    the larger side, the other steps the smaller (the validator's charge of tokamax's gmm)."""
+    s = _sched(_SIDES)
+    assert s.hot_loop() is s.grid_loop()
+    model = M.work_model_inputs(s)
+    assert model["step_bundles"] == 14 and model["mxu_branches"] == [[4, 1], [3, 1]]
+    assert M.step_regions(model) == {"first": 1, "last": 0, "sides": [4, 3]}
+    kw = dict(mxu_flops=8.0, grid_steps=8, hbm_bytes=0.0, generation=_Gen)
+    t = M.scheduled_from_work(
+        model, flops_per_hot_iteration=1.0, output_tiles=2, last_side_runs=2, **kw
+    )
+    # 8 busy steps x (14 - 1 - 7), init on 2 tiles, 2 last-K steps x 4 + 6 others x 3, + 2
+    assert t["scheduled_us"] == pytest.approx((8 * 6 + 2 * 1 + 2 * 4 + 6 * 3 + 2) * 1e-3)
+    both = M.scheduled_from_work(model, flops_per_hot_iteration=1.0, **kw)
+    assert both["scheduled_us"] == pytest.approx((8 * 14 + 2) * 1e-3)
+    # a model cached without the regions still knows the sides from its MXU paths
+    old = {k: v for k, v in model.items() if k != "regions"}
+    t_old = M.scheduled_from_work(
+        old, flops_per_hot_iteration=1.0, output_tiles=2, last_side_runs=2, **kw
+    )
+    assert t_old["scheduled_us"] == pytest.approx((8 * 7 + 2 * 4 + 6 * 3 + 2) * 1e-3)
+
+
+def test_per_tile_runs_count_output_tiles_from_the_grid_and_work_list():
+    import schedule_rows
+    from shapes import RaggedDotShape
+    from tpu_generations import KernelCost
+
+    shape = RaggedDotShape("t", tokens=64, experts=4, top_k=2, k=512, n=384)
+    # our gmm: one FIRST item per row tile (128 rows / 32 = 4), times 3 N tiles
+    ours = schedule_rows.per_tile_runs(
+        "ragged_dot", "ours", shape, "v6e", {"tiling": [32, 128, 128]}, None
+    )
+    assert ours == {"output_tiles": 4.0 * 3}
+    # megablox: grid steps / K tiles visits x N tiles end on a last K tile
+    cost = KernelCost(0, 0, 0, 0, grid_steps=60)
+    mb = schedule_rows.per_tile_runs(
+        "ragged_dot", "anchor:megablox_default", shape, "v6e", {"tiling": [32, 128, 128]}, cost
+    )
+    assert mb == {"output_tiles": 15.0, "last_side_runs": 15.0}
+    assert schedule_rows.per_tile_runs("flash_attention", "ours", shape, "v6e", {}, cost) == {}
+
+
 # ---- real schedules from libtpu ------------------------------------------------------------------
 
 

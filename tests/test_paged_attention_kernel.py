@@ -6,6 +6,8 @@ bytes against tiling.traffic)."""
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ import tpu_interpreter
 from jax_bridge import tpu_interpret_params
 
 PA = kernel_loader.load_kernel("paged_attention")
+ROOT_DIR = Path(__file__).resolve().parents[1]
 kernel, reference, tiling = PA.kernel, PA.reference, PA.tiling
 
 # Small static shapes shared by every example, so each configuration compiles once.
@@ -879,3 +882,109 @@ def test_compute_path_rule_shared_by_cost_model_and_benchmarks():
     assert t2["mxu_flops"] == 4 * HKV * 2 * PS * D * (
         nr * (len(t2["items"]) - len(wide)) + rows * len(wide)
     )
+    # Each busy item is one compute tile of the shared ranking model, counted on its own path.
+    c2 = tiling.estimate_cost(q_lens=[1, 30], kv_lens=[40, 80], config=cfg, **kw)
+    assert c2.compute_tiles == len(t2["items"])  # every item of this batch has pages
+    narrow_u = tiling.item_units(
+        tiling.get_generation(None), rows=nr, kv_tokens=2 * PS, num_kv_heads=HKV,
+        head_dim=D, kv_dtype="float32",
+    )  # fmt: skip
+    wide_u = tiling.item_units(
+        tiling.get_generation(None), rows=rows, kv_tokens=2 * PS, num_kv_heads=HKV,
+        head_dim=D, kv_dtype="float32",
+    )  # fmt: skip
+    n_narrow = len(t2["items"]) - len(wide)
+    assert c2.mxu_pushes == round(
+        n_narrow * narrow_u["mxu_pushes"] + len(wide) * wide_u["mxu_pushes"]
+    )
+    assert c2.step_vregs > 0 and c2.valu_ops > 0 and c2.vmem_loads > 0
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile ranking: the decode unit counts against libtpu's LLO dumps (tile_model_calibration.json)
+# -------------------------------------------------------------------------------------------------
+
+CALIBRATION = ROOT_DIR / "benchmarks" / "results" / "tile_model_calibration.json"
+
+
+def _paged_points():
+    paged = json.loads(CALIBRATION.read_text())["paged_points"]
+    return paged["points"], paged["tolerance"]
+
+
+def test_decode_unit_model_within_tolerance_of_paged_dumps():
+    """The shared model on the paged unit counts (tiling.decode_step_bundles: the decode compute
+    path plus the step's own code) stays within the stated tolerance of every dumped busy decode
+    step, on every tested generation, both cache layouts and the 8-bit caches; and the recorded
+    model numbers are what the code computes now (a constant changed without refitting fails)."""
+    points, tol = _paged_points()
+    assert {p["generation"] for p in points} == {"v5e", "v6e", "tpu7x"}
+    assert {(p["layout"], p["kv_dtype"]) for p in points} >= {
+        ("head_major", "bfloat16"),
+        ("token_major", "bfloat16"),
+        ("token_major", "int8"),
+        ("token_major", "float8_e4m3fn"),
+    }
+    for p in points:
+        gen = tiling.GENERATIONS[p["generation"]]
+        m = tiling.decode_step_bundles(
+            gen,
+            block_q=p["tiles"]["block_q"],
+            pages_per_block=p["tiles"]["pages_per_block"],
+            token_major=p["layout"] == "token_major",
+            **p["problem"],
+        )
+        model = m["tile"] + m["step"]
+        assert model == pytest.approx(p["model_busy_step_bundles"], abs=1.0), p["shape"]
+        err = model / p["dump_busy_step_bundles"] - 1
+        assert abs(err) <= tol, (p["generation"], p["shape"], p["tiles"], err)
+
+
+def test_decode_cost_ranks_kv_blocks_by_unit_counts():
+    """decode_cost carries the unit counts (the model no longer falls back to the MXU FLOP
+    floor): at the named decode batch, larger KV blocks rank faster on every generation (fewer
+    per-item and per-step fixed bundles), block_q alone changes nothing (left to the preference
+    order), and the e4m3 pages' integer decode makes that batch compute-bound where the bf16
+    head-major one is DMA-bound (the dumps' VALU-bound fp8 path)."""
+    gens = tiling._generations
+    kw = dict(
+        num_tokens=64,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        page_size=128,
+        pages_per_seq=64,
+        q_dtype="bfloat16",
+    )
+    for name in ("v5e", "v6e", "tpu7x"):
+        gen = tiling.GENERATIONS[name]
+
+        def cost(ppb, bq=64, kv_dtype="bfloat16", gen=gen, **extra):
+            return tiling.decode_cost(
+                gen, block_q=bq, pages_per_block=ppb, kv_dtype=kv_dtype, **kw, **extra
+            )
+
+        secs = [gens.ranked_seconds(cost(p), gen) for p in (8, 4, 2, 1)]
+        assert secs == sorted(secs), (name, secs)
+        assert cost(8).compute_tiles == 64 * 8 and cost(8).valu_ops > 0
+        assert gens.ranked_seconds(cost(8, bq=16), gen) == pytest.approx(secs[0])
+        fp8 = cost(8, kv_dtype="float8_e4m3fn", token_major=True)
+        bundles = gens.tile_bundles(
+            gen,
+            mxu_pushes=fp8.mxu_pushes,
+            eup_pushes=fp8.eup_pushes,
+            valu_ops=fp8.valu_ops,
+            vmem_loads=fp8.vmem_loads,
+            tiles=fp8.compute_tiles,
+        ) + gens.step_bundles(gen, step_vregs=fp8.step_vregs, grid_steps=fp8.grid_steps)
+        assert bundles / gen.clock_hz > fp8.hbm_bytes / gen.hbm_bytes_per_s
+        bf16 = cost(8)
+        bundles = gens.tile_bundles(
+            gen,
+            mxu_pushes=bf16.mxu_pushes,
+            eup_pushes=bf16.eup_pushes,
+            valu_ops=bf16.valu_ops,
+            vmem_loads=bf16.vmem_loads,
+            tiles=bf16.compute_tiles,
+        ) + gens.step_bundles(gen, step_vregs=bf16.step_vregs, grid_steps=bf16.grid_steps)
+        assert bundles / gen.clock_hz < bf16.hbm_bytes / gen.hbm_bytes_per_s

@@ -1,6 +1,10 @@
 """ragged-dot-tpu kernel level (JAX): gmm, dlhs, tgmm and quantised gmm against f32 references,
 NaN isolation, TPU interpret mode, the work list and the cost model."""
 
+import importlib
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -631,11 +635,13 @@ def test_gated_cost_saves_the_intermediate_write(layout):
 
 
 def test_large_weight_blocks_run_in_column_chunks(monkeypatch):
-    """Weight blocks above kernel.MAX_DOT_ELEMENTS are multiplied in column chunks by a loop
+    """Weight blocks above tiling.MAX_DOT_ELEMENTS are multiplied in column chunks by a loop
     (lowered here to 128 x 128 so that small shapes take that path): gmm both layouts, quantised,
-    gated and tgmm still match their references."""
-    monkeypatch.setattr(K, "MAX_DOT_ELEMENTS", 128 * 128)
-    assert K._n_chunk(128, 384) == 128 and K._n_chunk(128, 200) == 200
+    gated and tgmm still match their references. The kernel chunks by tiling.window_cols, the
+    rule the tile ranking counts windows with (one definition)."""
+    monkeypatch.setattr(T, "MAX_DOT_ELEMENTS", 128 * 128)
+    assert T.window_cols(128, 384) == 128 and T.window_cols(128, 200) == 200
+    assert K._n_chunk is T.window_cols
     gs = [9, 0, 30, 4]  # sum 43 < 56
     c = dict(dtype=jnp.float32, m=56, k=128, n=384, group_sizes=gs, seed=21)
     for transpose_rhs in (False, True):
@@ -688,3 +694,79 @@ def test_large_weight_blocks_run_in_column_chunks(monkeypatch):
         glhs, grhs, gs, gbias, activation="gpt_oss_swiglu", layout="interleaved"
     )
     np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=2e-4)
+
+
+CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks/results/tile_model_calibration.json"
+
+
+def test_tgmm_window_model_matches_the_dumps():
+    """tgmm's windows and grid steps under the shared bundle model (tpu_generations.tile_bundles
+    / step_bundles over tiling.tgmm_window_units / _tgmm_step_vregs) stay within the stated
+    tolerance of libtpu's LLO dumps of tgmm (tile_model_calibration.json "tgmm_points", each
+    with the command that dumped it): a window compared as the ranking charges it, max(its
+    bundles, its MXU FLOP floor in cycles); its MXU pushes are the dump's vmatmul count."""
+    gens = importlib.import_module(f"{rd.__name__}.tpu_generations")
+    data = json.loads(CALIBRATION.read_text())["tgmm_points"]
+    tol = data["tolerance"]
+    assert 0 < tol <= 0.25
+    points = data["points"]
+    for p in points:
+        g = gens.GENERATIONS[p["generation"]]
+        t = p["tiles"]
+        assert p["command"] and "compile_tgmm_tiles" in p["command"]
+        if p["kind"] == "step":
+            vregs = T._tgmm_step_vregs(t["tk"], t["tn"])
+            assert vregs == p["step_vregs"]
+            err = gens.step_bundles(g, step_vregs=vregs, grid_steps=1) / p["dump_bundles"] - 1
+        else:
+            u = T.tgmm_window_units(g, p["rows"], p["tk"], p["cols"], "bfloat16", "bfloat16")
+            assert int(u["mxu_pushes"]) == p["dump_vmatmul"], p
+            model = gens.tile_bundles(
+                g,
+                mxu_pushes=int(u["mxu_pushes"]),
+                vmem_loads=int(u["vmem_loads"]),
+                vmem_stores=int(u["vmem_stores"]),
+            )
+            floor = 2 * p["rows"] * p["tk"] * p["cols"] / g.bf16_flops * g.clock_hz
+            err = max(model, floor) / max(p["dump_bundles"], floor) - 1
+        assert abs(err) <= tol, (p["kind"], p["generation"], t, p.get("rows"), err)
+        assert err == pytest.approx(p["model_error"], abs=1e-3), p
+    windows = [p for p in points if p["kind"] == "window"]
+    assert {p["generation"] for p in windows} == {"v5e", "v6e", "tpu7x"}
+    for gen in ("v5e", "v6e", "tpu7x"):
+        mine = [p for p in points if p["generation"] == gen]
+        assert len({tuple(p["tiles"].values()) for p in mine}) >= 3, gen
+        assert {16, 256} <= {p["rows"] for p in mine if p["kind"] == "window"}, gen
+        assert any(p["kind"] == "step" for p in mine), gen
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_tgmm_tiles_are_ranked_by_the_shared_model(generation):
+    """tgmm_tiling picks with tpu_generations.best_tiles over tgmm_candidate_cost (unit counts,
+    not the FLOP floor): no fitting candidate ranks faster than the pick by more than
+    TGMM_RANKING_TOLERANCE, and the candidate cost's expected windows agree with estimate_cost's
+    exact ones (same unit counts, from the real work list) within 10% at Qwen3-30B-A3B shapes."""
+    gens = importlib.import_module(f"{rd.__name__}.tpu_generations")
+    g = gens.GENERATIONS[generation]
+    tokens = 4096
+    gs = _routing(tokens, QWEN["experts"], QWEN["top_k"])
+    m = tokens * QWEN["top_k"]
+    for k, n in QWEN["projections"]:
+        args = (m, k, n, QWEN["experts"], "bfloat16", "bfloat16", "bfloat16")
+        t = T.tgmm_tiling(
+            m, k, n, "bfloat16", "bfloat16", num_groups=QWEN["experts"], generation=generation
+        )
+        pick = T.tgmm_candidate_cost(g, *args, t.tm, t.tk, t.tn)
+        assert pick.compute_tiles > 0 and pick.mxu_pushes > 0 and pick.step_vregs > 0
+        best = gens.ranked_seconds(pick, g)
+        budget = T.vmem_budget_bytes(g)
+        for tm in (128, 256, 512, 1024):
+            for tk in T._dim_candidates(k):
+                for tn in T._dim_candidates(n):
+                    c = T.tgmm_candidate_cost(g, *args, tm, tk, tn)
+                    if c.vmem_bytes <= budget:
+                        assert gens.ranked_seconds(c, g) * (1 + T.TGMM_RANKING_TOLERANCE) >= best
+        exact = T.estimate_cost("tgmm", (m, k), (m, n), gs, tiles=t, generation=generation)
+        for key in ("compute_tiles", "mxu_pushes", "vmem_loads"):
+            assert getattr(pick, key) == pytest.approx(getattr(exact, key), rel=0.10), key
+        assert pick.step_vregs == exact.step_vregs and pick.grid_steps == exact.grid_steps

@@ -765,3 +765,64 @@ def test_flash_choose_tiles_is_monotone_in_length(gen, shape):
         assert times[b] <= (1 + pkg.tiling.RANKING_TOLERANCE) * 1e6 * gens.ranked_seconds(
             prev_at_b, g
         ), (a, b)
+
+
+# -------------------------------------------------------------------------------------------------
+# Module paths: one list of the repository's module folders, no sys.path edits of its own
+# -------------------------------------------------------------------------------------------------
+
+
+def _repo_python_files():
+    for folder in ("kernels", "torch-ext", "tests", "benchmarks", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "toy_collection" not in path.parts:
+                yield path
+
+
+def test_no_module_edits_sys_path_for_first_party_folders():
+    """The repository's module folders reach every process through one list: pytest's
+    `pythonpath` in pyproject.toml and, for programs run from the dev venv, the .pth file
+    `make setup` writes from the Makefile's REPO_PATHS (the two lists equal). The only sys.path
+    edits left add the external packages kept in folders of their own, outside the venv: libtpu
+    (tests/tpu_compile.py) and tokamax (benchmarks/validate_schedule.py)."""
+    import re
+    import tomllib
+
+    pythonpath = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"
+    ]["pythonpath"]
+    make = re.search(r"^REPO_PATHS := (.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make and make.group(1).split() == pythonpath
+    allowed = {
+        ("tests/tpu_compile.py", "sys.path.append(str(LIBTPU_DIR))"),
+        ("benchmarks/validate_schedule.py", "sys.path.append(str(TOKAMAX_DIR))"),
+    }
+    edits = set()
+    for path in _repo_python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("insert", "append", "extend")
+                and ast.unparse(node.func.value) == "sys.path"
+            ):
+                edits.add((str(path.relative_to(ROOT)), ast.unparse(node)))
+    assert edits == allowed
+
+
+def test_programs_find_the_repository_modules_from_anywhere(tmp_path):
+    """A benchmark program run by the venv's python from another folder imports modules of
+    benchmarks/, tests/ and torch-ext/ by name (the venv's .pth; `make setup` writes it)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "schedule_rows.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "schedule model now reads" in run.stdout

@@ -12,16 +12,14 @@ import importlib
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_loader
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import kernel_loader  # noqa: E402
 
 FA = kernel_loader.load_kernel("flash_attention")
 PA = kernel_loader.load_kernel("paged_attention")
@@ -127,7 +125,7 @@ def _paged_batch(rng, q_lens, kv_lens, *, num_slots=3, pages_per_seq=4, page_siz
     cu[n + 1 :] = cu[n]
     kl = np.zeros(num_slots, np.int32)
     kl[:n] = kv_lens
-    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     return dict(
         q=f(tokens, HQ, D),
         kv=f(num_pages, 2 * HKV, page_size, D),

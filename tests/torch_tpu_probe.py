@@ -15,6 +15,13 @@ from pathlib import Path
 import torch
 import torch_tpu  # noqa: F401  (autoloaded by torch already; explicit for clarity)
 
+# The built variant must load from its own files: the repository's module folders (this script's
+# own, and those the dev venv's .pth adds, Makefile REPO_PATHS) leave the path first.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [
+    p for p in sys.path if not (Path(p).parent == _ROOT and not Path(p).name.startswith("."))
+]
+
 
 def main(variant: str, case: str):
     # kernels picks the torch-tpu variant only when torch.backends.tpu exists; on a CPU host

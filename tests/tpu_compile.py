@@ -12,13 +12,12 @@ import os
 import sys
 from pathlib import Path
 
+from tpu_generations import GENERATIONS, TESTED_GENERATIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 LIBTPU_DIR = Path(os.environ.get("LIBTPU_DIR", ROOT / ".libtpu"))
 # Test processes run in parallel (pytest-xdist): libtpu's lockfile would refuse the second one.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, str(ROOT / "torch-ext"))
-
-from tpu_generations import GENERATIONS, TESTED_GENERATIONS  # noqa: E402,F401
 
 
 def libtpu_available() -> bool:

@@ -35,8 +35,10 @@ Forward schedule. A `fori_loop` that carries (m, l, acc) from one score tile to 
 dependency chain (matmul, max, exp, sum, matmul), so the MXU, EUP and VPU take turns. Instead the
 score tiles of a q compute tile run in straight-line groups (several kv slices, the statistics
 carried as values) that the LLO scheduler interleaves: an item the band covers whole (the bulk
-of a long causal or windowed sequence) runs all its kv slices per q tile, two q tiles per region
-when the tile is <= 512 x 512; edge items run groups of FWD_UNROLL mask-free tiles, and the
+of a long causal or windowed sequence) runs all its kv slices per q tile, its q tiles unrolled
+two at a time when a tile is <= 512 x 512 stacked rows x keys (on v6e the interior q tile is
+taller than the edge walk's, `tiling.interior_q_compute`, so fewer, longer chains fill the MXU
+gaps instead); edge items run groups of FWD_UNROLL mask-free tiles, and the
 remainder joins the masked edge tiles in masked groups. Scores are base 2 (exp2, log2(e) and the
 softmax scale folded into the q tile once per group), the rescale exp is one per row per tile, and
 1 / l is taken once at the end. At the last item of a q block the output and the log-sum-exp

@@ -10,10 +10,13 @@ block_q_bwd / block_kv_bwd are the two backward passes' DMA blocks and block_q_c
 block_kv_compute_bwd their compute tiles. `choose_tiles` tries the
 candidates whose every VMEM buffer fits the generation's budget and keeps the one the shared
 ranking (tpu_generations.best_tiles / ranked_seconds) finds fastest on the caller's shape: the
-forward's score tiles charged by the calibrated per-tile bundle model from what each pushes
-through the MXU, EUP and VALU (`fwd_tile_units`; masked edge tiles pay their compares), overlapped
-with the DMA, plus the per-step overhead. Candidates within RANKING_TOLERANCE of the fastest count
-as equal and the larger DMA blocks win among them. Blocks run up to the next power of two of the
+forward's and the backward's score tiles charged by the calibrated per-tile bundle model from
+what each pushes through the MXU, EUP and VALU (`fwd_tile_units`; `bwd_tile_units` per backward
+pass: dk/dv, dq or fused; masked edge tiles pay their compares), overlapped with the DMA, plus
+the per-step overhead. Candidates within RANKING_TOLERANCE (forward) / BWD_RANKING_TOLERANCE
+(backward) of the fastest count as equal and the larger DMA blocks win among them. The two-pass
+backward's cost sums both passes' unit counts, so its bundles are max over the summed units: a
+lower bound where one pass is MXU-bound and the other vector-bound (dk/dv and dq on v6e). Blocks run up to the next power of two of the
 length (never refused for being longer than the sequence), and the ranking is the kernel's own
 time, so a longer sequence never gets faster tiles than a shorter one could
 (tests/test_shared_contract.py). `Tiles(...)` overrides the choice.
@@ -349,14 +352,15 @@ def choose_tiles(
                 c = estimate_cost(tiles=t, pass_="bwd", generation=gen, **cost_kw)
                 yield (bq, bqc, bk, bkc, nb, fused), c
 
-    # Forward times the model cannot tell apart: the larger DMA blocks, then the faster by the
-    # model, then the larger compute tile (candidates come larger compute tile first). The
-    # backward (no unit counts yet: the FLOP floor) breaks exact ties as before: the larger DMA
-    # blocks, then the larger compute tile.
+    # Times the model cannot tell apart (within its stated error on each pass's dumps): the
+    # larger DMA blocks, then the faster by the model, then the earlier candidate (larger compute
+    # tile first; two passes before fused), so the choice is deterministic.
     best_f = best_tiles(
         forward(), gen, tie_break=lambda k: (-k[0] * k[2],), within=RANKING_TOLERANCE
     )
-    best_b = best_tiles(backward(), gen, tie_break=lambda k: (-k[0] * k[2], -k[1]))
+    best_b = best_tiles(
+        backward(), gen, tie_break=lambda k: (-k[0] * k[2],), within=BWD_RANKING_TOLERANCE
+    )
     if best_f is None or best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
@@ -417,6 +421,95 @@ def fwd_tile_units(
             VALU_MASK_PER_SCORE_VREG + (VALU_SECOND_EDGE_PER_SCORE_VREG if two_edges else 0.0)
         )
         * score_vregs,
+        "segment_valu_ops": VALU_SEGMENT_PER_SCORE_VREG * score_vregs,
+    }
+
+
+# What one backward score tile pushes through each unit, per pass (kernel.py `_dkdv_kernel`,
+# `_dq_kernel`; "fused" is the dk/dv kernel that also accumulates dq). MXU pushes are counted from
+# the matmuls as the kernel writes them: the dk/dv pass works on transposed scores [cols, rows]
+# (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; fused adds dQ = dS K), the dq pass on
+# [rows, cols] (S = Q K^T, dP = dO V^T, dQ += dS K); the dumps' vmatmul counts equal these. The
+# EUP takes one exp per score (plus a tanh with a soft cap); there is no rescale exp.
+# The VALU figures are effective ops per f32 score vreg, (unmasked, added by a mask), per
+# generation and pass: fitted so that (ops / VALU slots) x vector_issue + the fixed per-tile
+# bundles gives the dumped bundles of the tiles the MXU does not bound. They exceed the ops the
+# dumps issue where the tile is latency-bound (v6e, dq pass, unmasked: ~8 ops per score vreg
+# issued, loop at MXU 0.70 / VALU 0.48 occupancy: the S -> P -> dS -> dQ chain, with three
+# matmuls to overlap it, leaves both units waiting; masked tiles: the full [rows, cols] iota
+# mask, its compares and selects, ~5-10 ops issued, 6-9 charged), so the chain's latency is
+# charged to the unit that carries it. v5e's VPU (no bf16 path) takes the masked dk/dv tiles'
+# vector work at ~1.6x the v6e bundles, while its dq tiles stay MXU-bound. A soft cap adds the
+# scale, cap and (1 - tanh^2) factor (5 ops, counted from the body, not fitted); segment ids the
+# forward's id compare (not fitted either). benchmarks/results/tile_model_calibration.json
+# "bwd_points" holds the dumps: the Llama-3-8B points fixed these, the d=256 points are held out.
+BWD_PASSES = ("dkv", "dq", "fused")
+_BWD_VALU_V6E = {"dkv": (9.0, 8.7), "dq": (10.6, 6.0), "fused": (11.0, 8.7)}
+BWD_VALU_PER_SCORE_VREG = {
+    "v5e": {"dkv": (10.0, 17.3), "dq": (8.5, 8.5), "fused": (11.0, 21.0)},
+    "v6e": _BWD_VALU_V6E,
+    "tpu7x": _BWD_VALU_V6E,  # the TPU7x dumps agree with v6e's within 4%
+}
+BWD_VALU_PER_SCORE_VREG["v5p"] = BWD_VALU_PER_SCORE_VREG["v5e"]  # no v5p dump: v5e's (same VPU)
+# A tile's dependency chain (S -> P -> dS -> the dK / dQ matmul) has a latency that does not
+# shrink with the tile: below it a small tile costs the same bundles whatever its size (TPU7x,
+# d=256, a 256 x 512 tile: the dk/dv loop runs 1074 bundles per tile at MXU 0.42 occupancy, a
+# 512 x 512 one at d=128 1183). Charged as a floor on the tile's effective VALU ops,
+# (unmasked, masked) per pass, fitted on the 256 x 512 tiles at d=256 (v6e, TPU7x); 0: no dump
+# has shown one (v5e's tiles are MXU-bound).
+_NO_FLOOR = {"dkv": (0, 0), "dq": (0, 0), "fused": (0, 0)}
+BWD_CHAIN_FLOOR_VALU = {
+    "v5e": _NO_FLOOR,
+    "v5p": _NO_FLOOR,
+    "v6e": {"dkv": (2420, 2760), "dq": (1320, 2250), "fused": (2770, 3080)},
+    "tpu7x": {"dkv": (2500, 2820), "dq": (1530, 2150), "fused": (2820, 3240)},
+}
+BWD_VALU_SOFTCAP_PER_SCORE_VREG = 5.0
+# A band with two edges (a sliding window) masks with a second compare and select: v6e, Llama-3-8B
+# window 1024, a 1024 x 256 fused tile, masked loop 2308 bundles per tile against 1485 mask-free
+# (the one window point; fitted there).
+BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 3.2
+# The model's largest error on the backward points (tests/test_flash_attention_kernel.py holds it
+# to this); the backward ranks with it as best_tiles' `within`.
+BWD_RANKING_TOLERANCE = 0.1
+
+
+def bwd_tile_units(
+    gen: TpuGeneration,
+    rows: int,
+    cols: int,
+    head_dim: int,
+    pass_: str,
+    softcap=False,
+    two_edges=False,
+):
+    """Per backward score tile of `rows` stacked query rows x `cols` keys in pass `pass_`
+    ("dkv", "dq" or "fused"): MXU pushes, EUP pushes, effective VALU ops (unmasked), and the
+    VALU ops a mask (`two_edges`: a band bounded on both sides) / segment ids add."""
+    if pass_ not in BWD_PASSES:
+        raise ValueError(f"pass_ must be one of {BWD_PASSES}, got {pass_!r}")
+    dp = _r(head_dim, NUM_LANES)
+    score_vregs = rows * cols / (NUM_SUBLANES * NUM_LANES)
+    if pass_ == "dq":
+        # S = Q K^T and dP = dO V^T: [rows, dp] x [dp, cols]; dQ += dS K: [rows, cols] x [cols, dp]
+        mxu = 2 * mxu_pushes(gen, rows, dp, cols) + mxu_pushes(gen, rows, cols, dp)
+    else:
+        # S^T = K Q^T, dP^T = V dO^T: [cols, dp] x [dp, rows]; dV, dK: [cols, rows] x [rows, dp]
+        mxu = 2 * mxu_pushes(gen, cols, dp, rows) + 2 * mxu_pushes(gen, cols, rows, dp)
+        if pass_ == "fused":
+            mxu += mxu_pushes(gen, rows, cols, dp)  # dQ = dS K (dS^T contracted over cols)
+    unmasked, mask = BWD_VALU_PER_SCORE_VREG.get(gen.name, _BWD_VALU_V6E)[pass_]
+    floor, floor_masked = BWD_CHAIN_FLOOR_VALU.get(gen.name, _NO_FLOOR)[pass_]
+    extra = BWD_VALU_SOFTCAP_PER_SCORE_VREG * score_vregs if softcap else 0.0
+    valu = max(unmasked * score_vregs, floor) + extra
+    if two_edges:
+        mask += BWD_VALU_SECOND_EDGE_PER_SCORE_VREG
+    valu_masked = max((unmasked + mask) * score_vregs, floor_masked) + extra
+    return {
+        "mxu_pushes": mxu,
+        "eup_pushes": int(score_vregs * (2 if softcap else 1)),
+        "valu_ops": valu,
+        "masked_valu_ops": valu_masked - valu,
         "segment_valu_ops": VALU_SEGMENT_PER_SCORE_VREG * score_vregs,
     }
 
@@ -680,6 +773,9 @@ def estimate_cost(
     tables = tile_tables(bqc, bkc)
     fused = tiles.fused_bwd
     hbm = mxu = steps = 0
+    gen_b = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    tiles_b = masked_b = pushes_b = eup_b = 0
+    valu_b = 0.0
     if fused:  # dq of each (batch, head) written once, from the VMEM-resident block
         hbm += B * Hkv * G * Sq * D * isz
     for kv_major, outs in ((True, "kv"),) if fused else ((True, "kv"), (False, "q")):
@@ -705,10 +801,28 @@ def estimate_cost(
         hbm += smem + (tables[-1] if tables is not None else 0)
         # dk/dv visit each (kv slice, q tile) pair the dq pass visits as (q tile, kv slice):
         # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq); fused: 5 (+ dq).
-        live = count_live_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)
+        live, masked = count_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables, segments=segments)
         n_mm = (5 if fused else 4) if kv_major else 3
         mxu += Hkv * live * n_mm * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
+        pass_name = "fused" if fused else ("dkv" if kv_major else "dq")
+        units = bwd_tile_units(
+            gen_b,
+            G * bqc,
+            bkc,
+            D,
+            pass_name,
+            softcap=bool(softcap),
+            two_edges=band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED,
+        )
+        n_live, n_masked = Hkv * live, Hkv * masked
+        tiles_b += n_live
+        masked_b += n_masked
+        pushes_b += n_live * units["mxu_pushes"]
+        eup_b += n_live * units["eup_pushes"]
+        valu_b += n_live * units["valu_ops"] + n_masked * units["masked_valu_ops"]
+        if segments:
+            valu_b += n_masked * units["segment_valu_ops"]
         if calls is not None:
             elems = Hkv * live * G * bqc * bkc
             calls.append(
@@ -726,4 +840,16 @@ def estimate_cost(
         + 2 * B * Hkv * kv_len * D * isz
     )  # dq, dk, dv
     need = vmem_need_bwd(G, D, isz, bq, bk, segments, bqc, bkc, Sq if fused else None)
-    return KernelCost(2 * useful_fwd, mxu, hbm, min_bytes, steps, need)
+    return KernelCost(
+        2 * useful_fwd,
+        mxu,
+        hbm,
+        min_bytes,
+        steps,
+        need,
+        compute_tiles=tiles_b,
+        masked_tiles=masked_b,
+        mxu_pushes=pushes_b,
+        eup_pushes=eup_b,
+        valu_ops=int(round(valu_b)),
+    )

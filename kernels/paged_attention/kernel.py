@@ -794,6 +794,7 @@ def _attention(
         kv_dtype=kv_dtype,
         generation=generation,
         config=config,
+        token_major=token_major,
     )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _cdiv(max(T, 1), bq) * bq

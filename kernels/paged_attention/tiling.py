@@ -158,8 +158,11 @@ def choose_config(
     kv_dtype,
     generation: str | TpuGeneration | None = None,
     config: PagedAttentionConfig | None = None,
+    token_major: bool = False,
 ) -> PagedAttentionConfig:
-    """Fill the `None` fields of `config` for this generation from the VMEM budget model."""
+    """Fill the `None` fields of `config` for this generation: the candidates that fit the VMEM
+    budget model, ranked by the shared model on `decode_cost` (`token_major`: the unit counts of
+    token-major pages; 8-bit caches are always token-major)."""
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
     config = config or PagedAttentionConfig()
     group = num_q_heads // num_kv_heads
@@ -208,7 +211,9 @@ def choose_config(
         if c not in candidates:
             candidates.append(c)
     # Ranked with the shared model (tpu_generations.best_tiles) on the batch the static shapes
-    # describe (`decode_cost`); the preference order breaks its ties.
+    # describe (`decode_cost`, with the unit counts calibrated on the paged dumps); candidates
+    # within the model's error (RANKING_TOLERANCE) of the fastest are ties, which the preference
+    # order breaks.
     order = {c: i for i, c in enumerate(candidates)}
     fitting = [
         (
@@ -225,12 +230,15 @@ def choose_config(
                 kv_dtype=kv_dtype,
                 block_q=c[0],
                 pages_per_block=c[1],
+                token_major=token_major,
             ),
         )
         for c in candidates
         if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget
     ]
-    best = _generations.best_tiles(fitting, gen, tie_break=order.__getitem__)
+    best = _generations.best_tiles(
+        fitting, gen, tie_break=order.__getitem__, within=RANKING_TOLERANCE
+    )
     # nothing fits: the smallest tiles (overrides taken as given)
     block_q, ppb = best[0] if best is not None else candidates[-1]
     ppb = max(1, min(ppb, pages_per_seq))
@@ -241,6 +249,178 @@ def choose_config(
         vmem_limit_bytes=config.vmem_limit_bytes,
         stream_page_table=config.stream_page_table,
     )
+
+
+# -------------------------------------------------------------------------------------------------
+# What one decode item's compute pushes through each unit (the shared ranking model's inputs)
+# -------------------------------------------------------------------------------------------------
+
+# The compute path of a decode item (kernel.py `compute` on the narrow rows) is, per KV head, a
+# [rows, D] x [D, kv_tokens] score matmul, the online softmax over [rows, kv_tokens] f32 scores,
+# and a [rows, kv_tokens] x [kv_tokens, D] matmul; token-major pages also unpack the head's
+# keys and values from 32-bit words (bf16: a shift or mask per word; int8: shift and sign
+# extension; e4m3: the integer decode) before the MXU sees them. The constants below are the
+# family's own inputs to the shared tpu_generations model, fitted on libtpu's LLO dumps of the
+# named decode rows (benchmarks/results/tile_model_calibration.json "paged_points": each point's
+# narrow-path region and the rest of its grid step, with the command that dumped it; jax 0.10.2,
+# libtpu 0.0.42.1). The shared constants (fitted on flash and gmm) do not fit this path:
+#
+# - head-major pages: the path is bound by the K and V vregs going VMEM -> MXU as weights, one
+#   dependent push at a time (the dumps' VLOAD-bound narrow regions, no unit above 26% busy, ~1.2
+#   bundles per key of 8 heads on every generation). The shared memory_issue under-counts it:
+#   PAGED_LOAD_ISSUE multiplies the loaded vregs and PAGED_HEAD_LOADS counts per-KV-head loads
+#   besides K and V (q rows, statistics, accumulator, spilled mask temporaries), both least
+#   squares on the 2- and 8-page KV blocks (256 and 1024 keys) of each generation;
+# - token-major pages are VALU-bound (dumps: VALU 44-97% busy): PAGED_VALU_PER_SCORE_VREG VALU ops
+#   per f32 score vreg (mask, scale, max, exp argument, select, sum: the head-major dumps' VALU
+#   slots, 10.7 per score vreg) and PAGED_UNPACK_VALU[cache] per f32 vreg of keys and values
+#   unpacked (fitted on v6e's 8-page points with the shared vector_issue); PAGED_VALU_ISSUE scales
+#   the VALU ops per generation (v5e's shared vector_issue is v6e's, never fitted on a
+#   vector-bound v5e dump: its unpacking paths take 15% more bundles than that predicts);
+# - the grid step's own code outside the compute paths (the page DMA issue and wait loops with
+#   their partial-page chunk branches, the stale-value zeroing of one page slot, the q block's
+#   init and write-back) goes through the shared step terms (step_vregs): the vregs it moves plus
+#   PAGED_STEP_STREAM_VREGS per cache array DMA'd (one head-major, K and V token-major), the mean
+#   of what each generation's calibration steps imply (the shared step_fixed_bundles and
+#   step_vreg_bundles alone under-count the paged step by 35-55%).
+PAGED_LOAD_ISSUE = {"v5e": 1.34, "v6e": 1.58, "tpu7x": 2.88}
+PAGED_HEAD_LOADS = {"v5e": 40.0, "v6e": 17.0, "tpu7x": 10.0}
+PAGED_VALU_PER_SCORE_VREG = 10.7
+PAGED_UNPACK_VALU = {
+    "head_major": 0.0,
+    "float32": 0.0,  # not dumped: no named row has f32 pages
+    "bfloat16": 2.2,
+    "int8": 2.7,
+    "float8_e4m3fn": 9.1,
+}
+PAGED_VALU_ISSUE = {"v5e": 1.15, "v6e": 1.0, "tpu7x": 1.045}
+PAGED_STEP_STREAM_VREGS = {"v5e": 155.0, "v6e": 275.0, "tpu7x": 200.0}
+# The model's error on a busy decode step (max |error| over "paged_points": 4.3%): candidates
+# within it of the fastest are ties, ordered by the preference list.
+RANKING_TOLERANCE = 0.05
+
+
+def _variant(kv_dtype, token_major: bool) -> str:
+    """Which unpacking a cache takes: head-major pages go to the MXU as stored; token-major pages
+    are unpacked per KV head by dtype (8-bit caches are token-major only)."""
+    name = np.dtype(kv_dtype).name
+    if _itemsize(kv_dtype) == 1:
+        return "int8" if name == "int8" else "float8_e4m3fn"
+    if not token_major:
+        return "head_major"
+    # 32-bit pages are strided loads with nothing to unpack; other 16-bit types unpack as bf16.
+    return "float32" if _itemsize(kv_dtype) == 4 else "bfloat16"
+
+
+def item_units(
+    gen: TpuGeneration,
+    *,
+    rows: int,
+    kv_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype,
+    token_major: bool = False,
+    token_scales: bool = False,
+) -> dict:
+    """What one work item's compute (`rows` q rows of each KV head against `kv_tokens` keys, the
+    kernel's `compute(r0, rows)`) pushes through each unit, summed over its KV heads: MXU
+    pushes of both matmuls, EUP pushes (one exp per score, one rescale exp per row), effective
+    VALU ops (softmax per score vreg, unpacking per f32 vreg of keys and values, the
+    per-key scales' multiplies), and VMEM loads (the cache's K and V vregs and the per-head
+    loads, times the generation's PAGED_LOAD_ISSUE)."""
+    dp = _round_up(head_dim, 128)
+    score_vregs = rows * kv_tokens / 1024
+    kv_f32_vregs = 2 * kv_tokens * dp / 1024
+    kv_loaded = 2 * kv_tokens * dp * _itemsize(kv_dtype) / 4096
+    unpack = PAGED_UNPACK_VALU[_variant(kv_dtype, token_major)]
+    valu = PAGED_VALU_PER_SCORE_VREG * score_vregs + unpack * kv_f32_vregs
+    if token_scales:  # the K scale multiply and the V scale multiply and select, per score vreg
+        valu += 3 * score_vregs
+    pushes = _generations.mxu_pushes(gen, rows, dp, kv_tokens)
+    pushes += _generations.mxu_pushes(gen, rows, kv_tokens, dp)
+    # v5p (no dump read) takes v5e's factors, as tpu_generations gives it v5e's bundle model.
+    name = gen.name if gen.name in PAGED_LOAD_ISSUE else "v5e"
+    load_issue = PAGED_LOAD_ISSUE[name]
+    head_loads = PAGED_HEAD_LOADS[name]
+    return {
+        "mxu_pushes": num_kv_heads * pushes,
+        "eup_pushes": num_kv_heads * (score_vregs + -(-rows // 8)),
+        "valu_ops": num_kv_heads * valu * PAGED_VALU_ISSUE[name],
+        "vmem_loads": num_kv_heads * (kv_loaded + head_loads) * load_issue,
+    }
+
+
+def step_vregs(
+    gen: TpuGeneration,
+    *,
+    rows: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype,
+    token_major: bool = False,
+    token_scales: bool = False,
+) -> float:
+    """Vregs one grid step's own code moves outside its compute path (KernelCost.step_vregs per
+    step): the stale-value zeroing of one page slot (loaded and stored), the q block's statistics
+    and accumulator init and write-back over one row chunk, and PAGED_STEP_STREAM_VREGS per DMA
+    stream (its page loop's issue and wait, the partial-page chunks' branches)."""
+    dp = _round_up(head_dim, 128)
+    chunk = math.gcd(rows, 16)
+    page = page_size * num_kv_heads * dp * _itemsize(kv_dtype) / 4096
+    zero = 2 * page if token_major else 2 * page / 2  # head-major: the V half of the page
+    qblock = 2 * num_kv_heads * chunk * (dp + 2 * _NEG_LANES) * 4 / 4096
+    streams = 2 if token_major else 1
+    name = gen.name if gen.name in PAGED_STEP_STREAM_VREGS else "v5e"
+    return zero + qblock + streams * PAGED_STEP_STREAM_VREGS[name]
+
+
+def decode_step_bundles(
+    gen: TpuGeneration,
+    *,
+    block_q: int,
+    group: int,
+    pages_per_block: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype,
+    token_major: bool = False,
+    token_scales: bool | None = None,
+) -> dict:
+    """The shared model's bundles for one busy decode step at these tiles: `tile`, the compute
+    path a decode item takes (tpu_generations.tile_bundles of `item_units`), and `step`, the
+    step's own code (tpu_generations.step_bundles of `step_vregs`). What the calibration
+    (tile_model_calibration.json "paged_points") compares with the dumps' narrow-path region and
+    the rest of the grid step."""
+    if token_scales is None:
+        token_scales = _itemsize(kv_dtype) == 1
+    variant = dict(
+        kv_dtype=kv_dtype,
+        token_major=token_major or _itemsize(kv_dtype) == 1,
+        token_scales=token_scales,
+    )
+    u = item_units(
+        gen,
+        rows=narrow_rows(group, block_q * group),
+        kv_tokens=pages_per_block * page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
+    sv = step_vregs(
+        gen,
+        rows=block_q * group,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
+    return {
+        "tile": _generations.tile_bundles(gen, tiles=1, **u),
+        "step": _generations.step_bundles(gen, step_vregs=sv, grid_steps=1),
+    }
 
 
 def decode_cost(
@@ -256,33 +436,63 @@ def decode_cost(
     kv_dtype,
     block_q: int,
     pages_per_block: int,
+    token_major: bool = False,
+    token_scales: bool | None = None,
 ) -> KernelCost:
     """What the tile ranking charges a (block_q, pages_per_block) candidate when only static
     shapes are known (the lengths are traced): `num_tokens` decoding sequences, each at the full
     `pages_per_seq` context, the batch whose step count is largest. Each sequence is one (q
     block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
-    once, q read and o written once, the work list in SMEM, and the MXU work of the path a
-    decode item takes (`narrow_rows` rows, or the whole q block when no narrow path is
-    compiled) over each item's KV block. No unit counts (paged dumps are not calibrated): the
-    shared model ranks it by max(MXU FLOP floor, DMA) + steps x step overhead, so fewer, larger
-    KV blocks win; block_q changes none of this and is left to the tie-break (larger q blocks
-    re-read a prefill's KV fewer times, which this batch does not show)."""
+    once, q read and o written once, the work list in SMEM, and per item the unit counts of the
+    path a decode item takes (`item_units` on `narrow_rows` rows, or the whole q block when no
+    narrow path is compiled) over its KV block, and the step's own code (`step_vregs`). Larger
+    KV blocks amortise the per-item and per-step fixed bundles; block_q changes none of this
+    and is left to the tie-break (larger q blocks re-read a prefill's KV fewer times, which
+    this batch does not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
+    if token_scales is None:
+        token_scales = _itemsize(kv_dtype) == 1
+    token_major = token_major or _itemsize(kv_dtype) == 1
     ppb = max(1, min(pages_per_block, pages_per_seq))
     per_seq = -(-pages_per_seq // ppb)
     steps = num_tokens * per_seq
     rows = narrow_rows(group, block_q * group)
     kv_tokens = pages_per_seq * page_size
     kv_bytes = num_tokens * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
+    if token_scales:
+        kv_bytes += num_tokens * kv_tokens * 2 * num_kv_heads * 4
     qo_bytes = 2 * num_tokens * group * num_kv_heads * head_dim * _itemsize(q_dtype)
     table_bytes = 4 * (3 * num_tokens + 2 + num_tokens * pages_per_seq) + LAYOUT.nbytes(steps)
     issued = 4 * num_tokens * per_seq * rows * ppb * page_size * head_dim * num_kv_heads
     useful = 4 * num_tokens * group * kv_tokens * head_dim * num_kv_heads
+    variant = dict(kv_dtype=kv_dtype, token_major=token_major, token_scales=token_scales)
+    units = item_units(
+        gen,
+        rows=rows,
+        kv_tokens=ppb * page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
+    per_step = step_vregs(
+        gen,
+        rows=block_q * group,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
     return KernelCost(
         useful_flops=int(useful),
         mxu_flops=int(max(issued, useful)),
         hbm_bytes=int(kv_bytes + qo_bytes + table_bytes),
         min_hbm_bytes=int(kv_bytes + qo_bytes),
         grid_steps=int(steps),
+        compute_tiles=int(steps),
+        mxu_pushes=int(round(steps * units["mxu_pushes"])),
+        eup_pushes=int(round(steps * units["eup_pushes"])),
+        valu_ops=int(round(steps * units["valu_ops"])),
+        vmem_loads=int(round(steps * units["vmem_loads"])),
+        step_vregs=int(round(steps * per_step)),
     )
 
 
@@ -378,7 +588,9 @@ def traffic(
     scale_dma_bytes: each listed page's K and V scale rows, whole), `sinks`: the per-row sink
     logits, one [Hkv, rows, 1] f32 block read once (sink_bytes), `head_scales`: per-head static
     K and V scales, one [2, Hkv] f32 SMEM block (head_scale_bytes),
-    mxu_flops, useful_flops, min_hbm_bytes, vmem_bytes.
+    mxu_flops, useful_flops, min_hbm_bytes, vmem_bytes, units (the busy items' unit counts for
+    the shared ranking model: compute_tiles, mxu_pushes, eup_pushes, valu_ops, vmem_loads,
+    step_vregs; `item_units` per compute path, `step_vregs` per busy step).
     """
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
     q_lens = [int(x) for x in q_lens]
@@ -398,6 +610,7 @@ def traffic(
         kv_dtype=kv_dtype,
         generation=gen,
         config=config,
+        token_major=token_major,
     )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _round_up(max(num_tokens, 1), bq)
@@ -426,12 +639,43 @@ def traffic(
     kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     mxu = 0
+    path_runs = [0, 0]  # busy items on the narrow path, on the whole-q-block path
     for b, s, _start, npages in items:
         if npages == 0:
             continue
         path = compute_path(int(cu[s]), int(cu[s + 1]), b, block_q=bq, group=group, narrow=nr)
+        path_runs[path] += 1
         issued_rows = rows if path else nr
         mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
+    # What the busy items' compute pushes through each unit (item_units per path) and the vregs
+    # their steps' own code moves (step_vregs): the shared ranking model's inputs.
+    variant = dict(
+        kv_dtype=kv_dtype,
+        token_major=token_major or _itemsize(kv_dtype) == 1,
+        token_scales=token_scales,
+    )
+    units = {k: 0.0 for k in ("mxu_pushes", "eup_pushes", "valu_ops", "vmem_loads")}
+    for n, path_rows in zip(path_runs, (nr, rows)):
+        if n:
+            u = item_units(
+                gen,
+                rows=path_rows,
+                kv_tokens=ppb * page_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                **variant,
+            )
+            for k in units:
+                units[k] += n * u[k]
+    units["compute_tiles"] = sum(path_runs)
+    units["step_vregs"] = sum(path_runs) * step_vregs(
+        gen,
+        rows=rows,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
     separate_kv = separate_kv or token_major  # token-major caches are always K and V apart
     listed_pages = sum(npages for (_, _, _, npages) in items)
     scale_dmas = 2 * listed_pages if token_scales else 0
@@ -518,6 +762,7 @@ def traffic(
         useful_flops=useful,
         min_hbm_bytes=min_bytes,
         vmem_bytes=vmem,
+        units={k: int(round(v)) for k, v in units.items()},
     )
 
 
@@ -596,6 +841,7 @@ def estimate_cost(
         min_hbm_bytes=int(t["min_hbm_bytes"]),
         grid_steps=int(t["max_items"]),
         vmem_bytes=int(t["vmem_bytes"]),
+        **t["units"],
     )
 
 
@@ -617,6 +863,10 @@ __all__ = [
     "copy_tile",
     "static_cost",
     "decode_cost",
+    "item_units",
+    "decode_step_bundles",
+    "step_vregs",
+    "RANKING_TOLERANCE",
     "GENERATIONS",
     "SMEM_BUDGET_BYTES",
     "PAGE_TABLE_SMEM_BYTES",

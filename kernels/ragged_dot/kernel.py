@@ -149,23 +149,10 @@ def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
         jax.lax.fori_loop(0, (compute & (bucket == b_idx)).astype(jnp.int32), tail, 0)
 
 
-# Largest weight block one straight-line matmul covers (K x N elements). Qwen3-30B-A3B's whole
-# 2048 x 1536 block schedules at MXU 0.91 on v6e; larger blocks (Mixtral's 4096 x 2048) are cut
-# along N into chunks of at most this size, run by a loop whose body is one block-sized matmul,
-# so the kernel's code stays bounded (compile time, instruction memory).
-MAX_DOT_ELEMENTS = 2048 * 2048
-
-
-def _n_chunk(k_rows: int, cols: int) -> int:
-    """Columns per straight-line matmul for a (k_rows, cols) weight block: cols itself when the
-    block is small enough, else the largest multiple of 128 dividing cols within the limit."""
-    if k_rows * cols <= MAX_DOT_ELEMENTS or cols % 128:
-        return cols
-    best = 128
-    for c in range(128, cols, 128):
-        if cols % c == 0 and k_rows * c <= MAX_DOT_ELEMENTS:
-            best = c
-    return best
+# Columns per straight-line matmul for a (k_rows, cols) weight block: one definition, in tiling
+# (`window_cols`, with its MAX_DOT_ELEMENTS limit and why), which the ranking's window counts use
+# too. `_n_chunk` stays as the name benchmarks/ours.py and the schedule tests read.
+_n_chunk = _tiling.window_cols
 
 
 def _over_chunks(total: int, chunk: int, fn) -> None:
@@ -265,7 +252,7 @@ def _gmm_kernel(
 
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     wcols = acc_refs[0].shape[1]
-    cn = _n_chunk(tk, wcols)
+    cn = _tiling.window_cols(tk, wcols)
 
     def window(s, rows, first_row):
         """Multiply lhs rows [s, s + rows) by the whole weight block(s) and merge the rows in
@@ -645,7 +632,7 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
         # Rows of other groups are zeroed in both operands: the matmul contracts over rows.
         x = lhs_ref[pl.ds(s, rows), :]
         x = jnp.where(row_ok, x, jnp.zeros_like(x))
-        cn = _n_chunk(tk, tn)
+        cn = _tiling.window_cols(tk, tn)
 
         def columns(n0):
             y = dout_ref[pl.ds(s, rows), pl.ds(n0, cn)]

@@ -12,8 +12,13 @@ by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) o
 expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
 calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
 its rows) plus the grid steps' own accumulator code; candidates within RANKING_TOLERANCE of the
-fastest go to the one moving the fewest HBM bytes. tgmm (no calibrated dumps yet) keeps the
-earlier search: least MXU FLOPs / peak + HBM bytes / bandwidth + steps x step overhead, added.
+fastest go to the one moving the fewest HBM bytes. tgmm ranks the same way (`_tgmm_search`) on
+`tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
+through the MXU and move through VMEM (`tgmm_window_units`, calibrated on the LLO dumps of tgmm,
+tile_model_calibration.json "tgmm_points": the dout rows are the MXU's stationary operand, so a
+window of any rows up to the MXU side pushes as much as a full one, and each window reads and
+writes its whole f32 (tk, tn) accumulator) and its output blocks' accumulator code, ties within
+TGMM_RANKING_TOLERANCE to the fewest HBM bytes.
 The VMEM budget model counts every buffer
 the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
 scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
@@ -254,12 +259,6 @@ def _row_candidates(gen: TpuGeneration, m: int, unit: int, tm: Optional[int]) ->
     return sorted({max(unit, min(t, cap)) for t in (gen.mxu_size, 128, 256, 512, 1024)})
 
 
-def _modelled(gen, flops, nbytes, steps) -> float:
-    # Compute and traffic added, not overlapped: a pessimistic model under which MXU padding is
-    # never free, so memory-bound shapes still prefer tiles that waste fewer MXU rows.
-    return flops / gen.bf16_flops + nbytes / gen.hbm_bytes_per_s + steps * gen.step_overhead_s
-
-
 def _row_padding(rows_per_item: float, tm: int, unit: int) -> float:
     """Expected padded MXU rows per work item, for items of about `rows_per_item` rows: a tiny item
     runs on at least one row unit; pieces of varied length past chunk/8 rows pad by half a bucket
@@ -295,9 +294,11 @@ def check_gated_tn(tn: int, n: int, layout: str) -> None:
 # What the gmm's compute tiles push through each unit (the shared ranking model's inputs)
 # -------------------------------------------------------------------------------------------------
 
-# Elements of one straight-line window matmul's weight block: a wider block is cut into column
-# chunks of at most this many (tk x cols) elements, run in a loop (kernel.py's `_n_chunk`, the
-# same rule; tests/test_shared_contract.py checks the two agree).
+# Largest weight block one straight-line window matmul covers (K x N elements): a wider block is
+# cut into column chunks of at most this many (tk x cols) elements, run by a loop whose body is
+# one block-sized matmul, so the kernel's code stays bounded (compile time, instruction memory).
+# Qwen3-30B-A3B's whole 2048 x 1536 block schedules at MXU 0.91 on v6e; Mixtral's 4096 x 2048 is
+# cut along N. kernel.py's windows (gmm and tgmm) chunk by `window_cols`, the one definition.
 MAX_DOT_ELEMENTS = 2048 * 2048
 
 
@@ -390,33 +391,6 @@ def _expected_windows(m: int, num_groups: int, tm: int, unit: int):
         add(b, partial * (min(b, top) - min(prev, top)) / top)
         prev = b
     return items, sorted(windows.items())
-
-
-def _search(gen, m, k, n, num_groups, unit, ov, need, traffic, tn_cands=None, extra_flops=None):
-    """tgmm's search: the (tm, tk, tn) with the least modelled time (the cost model of estimate_cost with evenly
-    sized groups) whose VMEM need fits the budget (half the core's VMEM); ties go to the MXU-wide
-    row tile, then to fewer grid steps. Fields given in `ov` are kept as given."""
-    budget = vmem_budget_bytes(gen)
-    best, smallest = None, None
-    tms = _row_candidates(gen, m, unit, ov.get("tm"))
-    tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
-    tns = [ov["tn"]] if ov.get("tn") else (tn_cands or _dim_candidates(n))
-    for tm in tms:
-        for tk in tks:
-            for tn in tns:
-                vm = need(tm, tk, tn)
-                items = -(-m // tm) + min(num_groups, m)
-                nbytes, steps = traffic(tm, tk, tn, items)
-                flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
-                if extra_flops is not None:
-                    flops = extra_flops(flops, tm, tk, tn)
-                key = (_modelled(gen, flops, nbytes, steps), tm != gen.mxu_size, steps)
-                if vm <= budget and (best is None or key < best[0]):
-                    best = (key, (tm, tk, tn))
-                if smallest is None or vm < smallest[0]:
-                    smallest = (vm, (tm, tk, tn))
-    # Nothing fits (only possible with an override): take the smallest; the compiler decides.
-    return (best or smallest)[1]
 
 
 # gmm candidates whose ranked time is within this factor of the fastest are ties, ordered by
@@ -530,6 +504,132 @@ def _tie_break(tiles):
     return tiles[3], tiles[4]
 
 
+# -------------------------------------------------------------------------------------------------
+# What tgmm's compute tiles push through each unit (the shared ranking model's inputs)
+# -------------------------------------------------------------------------------------------------
+
+# The VMEM issue factor of tgmm's window loads / stores, per generation, where the shared model's
+# `memory_issue` is gmm's (a gmm window's weight vregs go VMEM -> MXU one dependent push at a
+# time). tgmm's window streams its whole f32 (tk, cols) accumulator through VMEM (one load and
+# one store per vreg, independent of each other), and the LLO dumps of tgmm
+# (tile_model_calibration.json "tgmm_points") never show those stretched: at Qwen3-30B-A3B
+# gate_up (tk 2048, cols 1536) every window loop is MXU-bound (v6e: MXU 0.90-0.93, VSTORE
+# 0.49-0.50 of its slots). `tgmm_window_units` scales its load / store counts by
+# TGMM_MEMORY_ISSUE / memory_issue so the shared `tile_bundles` charges them at this factor.
+TGMM_MEMORY_ISSUE = {"v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x": 1.0}
+
+
+# tgmm candidates whose ranked time is within this factor of the fastest are ties (fewest HBM
+# bytes, then grid steps, win): gmm's RANKING_TOLERANCE. The windows' model error (up to +24% on
+# a short tail, tile_model_calibration.json "tgmm_points" "tolerance_note") is mostly an
+# over-count per window that every candidate carries, not an error between candidates.
+TGMM_RANKING_TOLERANCE = 0.08
+
+
+def tgmm_window_units(gen: TpuGeneration, rows, tk: int, cols: int, lhs_dtype, dout_dtype) -> dict:
+    """What one tgmm window (lhs rows (rows, tk) transposed times dout rows (rows, cols), the
+    kernel's `window` at one column chunk, added into the f32 (tk, cols) accumulator) pushes
+    through the MXU and moves through VMEM. The dout rows are the MXU's stationary operand and
+    the transposed lhs streams through it 16 of its tk rows per push, so a window pushes
+    ceil(tk / 16) x ceil(rows / mxu_size) x ceil(cols / mxu_size) times: a 16-row tail costs a
+    full window's pushes on a 256-wide MXU (the dumps' vmatmul counts: 768 for every bucket of
+    16 to 256 rows at tk 2048, cols 1536 on v6e). The accumulator is loaded and stored whole per
+    window (tk x cols / 1024 vregs), the operands loaded once; the load / store counts are scaled
+    to tgmm's own issue factor (TGMM_MEMORY_ISSUE). `rows` may be an array."""
+    rows = np.asarray(rows, dtype=np.int64)
+    side = gen.mxu_size
+    pushes = -(-tk // 16) * (-(-rows // side)) * -(-cols // side)
+    acc = -(-tk // 8) * -(-cols // 128)
+    operands = -(-rows * tk * _itemsize(lhs_dtype) // 4096) + (
+        -(-rows * cols * _itemsize(dout_dtype) // 4096)
+    )
+    scale = TGMM_MEMORY_ISSUE[gen.name] / _generations.tile_bundle_model(gen).memory_issue
+    return {
+        "mxu_pushes": pushes,
+        "vmem_loads": np.round((acc + operands) * scale).astype(np.int64),
+        "vmem_stores": np.full(rows.shape, round(acc * scale), dtype=np.int64),
+    }
+
+
+def _tgmm_window_totals(gen, window_rows, window_counts, tk, cols, lhs_dtype, dout_dtype) -> dict:
+    """Unit counts of `window_counts[i]` tgmm windows of `window_rows[i]` rows each, summed."""
+    counts = np.asarray(window_counts, dtype=np.float64)
+    u = tgmm_window_units(gen, window_rows, tk, cols, lhs_dtype, dout_dtype)
+    out = {key: int(round(float((counts * v).sum()))) for key, v in u.items()}
+    out["compute_tiles"] = int(round(float(counts.sum())))
+    return out
+
+
+def _tgmm_step_vregs(tk: int, tn: int) -> int:
+    """f32 accumulator vregs a tgmm output block's grid steps zero / write back: its (tk, tn)
+    accumulator (what the dumps' grid-step bundles outside the windows scale with)."""
+    return -(-tk // 8) * -(-tn // 128)
+
+
+def tgmm_candidate_cost(
+    gen: TpuGeneration,
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    lhs_dtype,
+    dout_dtype,
+    out_dtype,
+    tm: int,
+    tk: int,
+    tn: int,
+) -> KernelCost:
+    """The KernelCost the tile search ranks a tgmm candidate by, for routed groups it cannot see:
+    HBM bytes and grid steps of `_tgmm_traffic`, MXU FLOPs with the expected row padding, the
+    unit counts of the expected row windows (`_expected_windows`, at every (K tile, N tile,
+    column chunk)) and the accumulator vregs of the num_groups output blocks per (K, N) tile."""
+    lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
+    unit = row_unit(lhs_dtype, dout_dtype)
+    _, windows = _expected_windows(m, num_groups, tm, unit)
+    items = -(-m // tm) + num_groups  # the tgmm work list: one item per group even when empty
+    nbytes, steps = _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items)
+    flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
+    kt, nt = -(-k // tk), -(-n // tn)
+    cn = window_cols(tk, tn)
+    reps = kt * nt * (tn // cn)
+    units = _tgmm_window_totals(
+        gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, lhs_dtype, dout_dtype
+    )
+    return KernelCost(
+        useful_flops=2 * m * k * n,
+        mxu_flops=int(flops),
+        hbm_bytes=int(nbytes),
+        min_hbm_bytes=m * k * lb + m * n * db + num_groups * k * n * ob,
+        grid_steps=int(steps),
+        vmem_bytes=int(tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype)),
+        step_vregs=kt * nt * num_groups * _tgmm_step_vregs(tk, tn),
+        **units,
+    )
+
+
+def _tgmm_search(gen, m, k, n, num_groups, unit, ov, dtypes):
+    """The (tm, tk, tn) `best_tiles` ranks fastest (ranked_seconds of `tgmm_candidate_cost`)
+    among the candidates whose VMEM need fits the budget, ties within TGMM_RANKING_TOLERANCE to
+    the fewest HBM bytes, then grid steps; fields in `ov` kept as given. Nothing fits (only
+    possible with an override): the smallest need."""
+    budget = vmem_budget_bytes(gen)
+    tms = _row_candidates(gen, m, unit, ov.get("tm"))
+    tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
+    tns = [ov["tn"]] if ov.get("tn") else _dim_candidates(n)
+    fitting, smallest = [], None
+    for tm in tms:
+        for tk in tks:
+            for tn in tns:
+                cost = tgmm_candidate_cost(gen, m, k, n, num_groups, *dtypes, tm, tk, tn)
+                tiles = (tm, tk, tn, cost.hbm_bytes, cost.grid_steps)
+                if cost.vmem_bytes <= budget:
+                    fitting.append((tiles, cost))
+                if smallest is None or cost.vmem_bytes < smallest[0]:
+                    smallest = (cost.vmem_bytes, tiles)
+    best = best_tiles(fitting, gen, tie_break=_tie_break, within=TGMM_RANKING_TOLERANCE)
+    return (best[0] if best is not None else smallest[1])[:3]
+
+
 def _override(override, cls) -> dict:
     ov = dataclasses.asdict(override) if isinstance(override, cls) else dict(override or {})
     unknown = set(ov) - {"tm", "tk", "tn", "vmem_limit_bytes"}
@@ -607,21 +707,8 @@ def tgmm_tiling(
     out_dtype = out_dtype or lhs_dtype
     ov = _override(override, TgmmTiling)
     unit = row_unit(lhs_dtype, dout_dtype)
-    lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
-
-    def traffic(tm, tk, tn, items):
-        return _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items)
-
-    tm, tk, tn = _search(
-        gen,
-        m,
-        k,
-        n,
-        num_groups,
-        unit,
-        ov,
-        lambda tm, tk, tn: tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype),
-        traffic,
+    tm, tk, tn = _tgmm_search(
+        gen, m, k, n, num_groups, unit, ov, (lhs_dtype, dout_dtype, out_dtype)
     )
     _check_tile("tm", tm, m, unit)
     _check_tile("tk", tk, k, 128)
@@ -919,7 +1006,22 @@ def estimate_cost(
         hbm += out_bytes
         min_bytes = total * k * lb + total * n * wb + num_groups * k * n * ob
         vmem = tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
-        units = {}  # tgmm's windows are not calibrated: ranked by the FLOP floor
+        # What the windows push through each unit: every computing item runs NFULL full row
+        # windows and at most one tail window (its bucket), at each (K tile, N tile, column
+        # chunk); each group's first / last item zeroes / writes back the (tk, tn) accumulator.
+        gen = get_generation(generation)
+        cn = window_cols(tk, tn)
+        reps = kt * nt * (tn // cn)
+        tails = compute & (wl["BUCKET"] >= 0)
+        window_rows = [row_chunk(tm)] + list(buckets)
+        window_counts = [int(wl["NFULL"][compute].sum())] + [
+            int((tails & (wl["BUCKET"] == b)).sum()) for b in range(len(buckets))
+        ]
+        units = _tgmm_window_totals(
+            gen, window_rows, [reps * c for c in window_counts], tk, cn, lhs_dtype, rhs_dtype
+        )
+        out_blocks = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
+        units["step_vregs"] = kt * nt * out_blocks * _tgmm_step_vregs(tk, tn)
     if count_work_list:
         hbm += LAYOUT.nbytes(L)
     return KernelCost(
