@@ -106,9 +106,9 @@ def _token_major_head_8bit(
     """KV head h of an int8 / float8_e4m3fn token-major slot as bfloat16 (exact: 8-bit integers and
     e4m3 values have at most 8 significant bits). A uint32 word holds heads 4j..4j+3 of one token
     (byte k = row 4i + k), so the head's rows are a strided word load and a byte extract. e4m3 is
-    decoded with integer ops (no 8-bit float unit on v5e): a normal value's exponent and mantissa
-    bits moved to f32's place with the bias difference (127 - 7) added; subnormals (exponent 0)
-    are mantissa * 2**-9. Without `unpack_u32` (TPU interpret mode) a direct strided load."""
+    decoded with integer ops (no 8-bit float unit on v5e): its sign, exponent and mantissa bits
+    moved to their f32 places, exact for every byte (subnormals included). Without `unpack_u32`
+    (TPU interpret mode) a direct strided load."""
     if not unpack_u32:
         x = buf[slot] if hkv == 1 else buf[slot, pl.ds(h, kv_tok, stride=hkv), :]
         if x.dtype == jnp.uint8:  # e4m3 pages passed as their bytes
@@ -122,13 +122,21 @@ def _token_major_head_8bit(
     if buf.dtype == jnp.int8:
         x = pltpu.bitcast(w << (24 - shift), jnp.int32) >> 24
         return x.astype(jnp.float32).astype(jnp.bfloat16)
-    b = (w >> shift) & jnp.uint32(0xFF)
-    em = b & jnp.uint32(0x7F)
-    normal = pltpu.bitcast((em << 20) + jnp.uint32(120 << 23), jnp.float32)
-    sub = pltpu.bitcast(em, jnp.int32).astype(jnp.float32) * (2.0**-9)
-    x = jnp.where(em >= 8, normal, sub)
-    x = jnp.where((b & jnp.uint32(0x80)) != 0, -x, x)
-    return x.astype(jnp.bfloat16)
+    # e4m3 as f32 bits, branch-free: the byte moved to the top of the word (sign at bit 31), its 4
+    # exponent and 3 mantissa bits moved down to f32's low exponent and high mantissa bits. A
+    # normal value (exponent >= 1) is then f32 once the bias difference (127 - 7) is added to the
+    # exponent field; a subnormal (exponent 0) is its mantissa times 2**-9 (an int -> float
+    # convert: an f32 subnormal on the way would be flushed to zero). One select picks, the sign
+    # is OR-ed in: 11 ops per word (the earlier decode negated and selected twice: 15).
+    top = w << (24 - shift)
+    mag = (top & jnp.uint32(0x7F000000)) >> 4
+    subnormal = pltpu.bitcast(mag >> 20, jnp.int32).astype(jnp.float32) * (2.0**-9)
+    bits = jnp.where(
+        mag >= jnp.uint32(1 << 23),
+        mag + jnp.uint32(120 << 23),
+        pltpu.bitcast(subnormal, jnp.uint32),
+    ) | (top & jnp.uint32(0x80000000))
+    return pltpu.bitcast(bits, jnp.float32).astype(jnp.bfloat16)
 
 
 def _paged_kernel(
