@@ -714,9 +714,14 @@ def splash_kernel(shape, block: int = SPLASH_BLOCK):
         head_mask = sm.FullMask((S, S))
     mask = sm.MultiHeadMask([head_mask] * shape.q_heads)
     bs = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b)
-    return sk.make_splash_mha(
-        mask, block_sizes=bs, head_shards=1, q_seq_shards=1, attn_logits_soft_cap=shape.softcap
-    )
+    import jax
+
+    # make_splash_mha builds its mask tables with eager jnp ops: on the host's CPU, not on the
+    # deviceless TPU a compile sets as the default device (which cannot run them).
+    with jax.default_device(jax.devices("cpu")[0]):
+        return sk.make_splash_mha(
+            mask, block_sizes=bs, head_shards=1, q_seq_shards=1, attn_logits_soft_cap=shape.softcap
+        )
 
 
 def splash_cost(shape, block: int = SPLASH_BLOCK):

@@ -313,8 +313,14 @@ def read_schedule(
         # when the closed forms change without compiling again.
         entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
     entry["_program"] = program
-    # A compile that ran out of time says nothing about the program: not cached.
-    if (use_cache or refresh) and not entry.get("error", "").startswith("Command '"):
+    # A compile that ran out of time says nothing about the program: not cached. Nor does a
+    # refresh that failed replace what the cache holds.
+    failed = "error" in entry
+    if (
+        (use_cache or refresh)
+        and not (refresh and failed)
+        and not (entry.get("error", "").startswith("Command '"))
+    ):
         _save_cache({key: entry})
     return entry
 
@@ -389,7 +395,10 @@ def main(argv=None) -> None:
             t0 = time.time()
             e = read_schedule(args.kind, impl, args.shape, gen, refresh=True)
             got = "regions" in (e or {}).get("_model", {})
-            print(f"{args.kind} {impl} {args.shape} {gen}: {time.time() - t0:.0f}s, regions {got}")
+            err = f", not replaced: {e['error'][:200]}" if e and "error" in e else ""
+            print(
+                f"{args.kind} {impl} {args.shape} {gen}: {time.time() - t0:.0f}s, regions {got}{err}"
+            )
 
 
 if __name__ == "__main__":

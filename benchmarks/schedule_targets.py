@@ -171,17 +171,8 @@ def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = Fa
     dt = jnp.dtype(s.dtype)
     seq_q = -(-s.seq // bq) * bq if fused else None
     need = T.vmem_need_bwd(groups, s.head_dim, dt.itemsize, bq, bk, False, bqc, bkc, seq_q)
-    t = T.Tiles(
-        bq,
-        bk,
-        bkc,
-        bq,
-        bk,
-        block_q_compute=bqc,
-        block_q_compute_bwd=bqc,
-        block_kv_compute_bwd=bkc,
-        fused_bwd=fused,
-        vmem_limit_bytes_bwd=T.vmem_limit_bytes(gen, need),
+    t = T.backward_tiles(
+        bq, bqc, bk, bkc, fused, vmem_limit_bytes_bwd=T.vmem_limit_bytes(gen, need)
     )
     window = (s.window - 1, 0) if s.window else (-1, -1)
 

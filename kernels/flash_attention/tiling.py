@@ -280,6 +280,24 @@ def _candidates(q_len, kv_len, groups, gen):
                 yield bq, bqc, bk, min(bk, compute_kv)
 
 
+def backward_tiles(bq: int, bqc: int, bk: int, bkc: int, fused: bool, **fields) -> Tiles:
+    """A backward candidate as `choose_tiles` ranks it: DMA blocks (bq, bk) and compute tiles
+    (bqc, bkc) for both backward passes (or the fused one), the forward's fields set alike.
+    `fields`: further Tiles fields (e.g. vmem_limit_bytes_bwd)."""
+    return Tiles(
+        bq,
+        bk,
+        bkc,
+        bq,
+        bk,
+        block_q_compute=bqc,
+        block_q_compute_bwd=bqc,
+        block_kv_compute_bwd=bkc,
+        fused_bwd=fused,
+        **fields,
+    )
+
+
 def choose_tiles(
     *,
     q_len,
@@ -338,17 +356,7 @@ def choose_tiles(
                 nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
                 if nb > budget:
                     continue
-                t = Tiles(
-                    bq,
-                    bk,
-                    bkc,
-                    bq,
-                    bk,
-                    block_q_compute=bqc,
-                    block_q_compute_bwd=bqc,
-                    block_kv_compute_bwd=bkc,
-                    fused_bwd=fused,
-                )
+                t = backward_tiles(bq, bqc, bk, bkc, fused)
                 c = estimate_cost(tiles=t, pass_="bwd", generation=gen, **cost_kw)
                 yield (bq, bqc, bk, bkc, nb, fused), c
 

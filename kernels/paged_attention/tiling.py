@@ -376,6 +376,31 @@ def step_vregs(
     return zero + qblock + streams * PAGED_STEP_STREAM_VREGS[name]
 
 
+def _busy_step_units(
+    gen, *, rows, q_block_rows, kv_tokens, page_size, num_kv_heads, head_dim, **variant
+) -> tuple[dict, float]:
+    """(item_units of one decode item's compute path on `rows` rows over `kv_tokens` keys, the
+    step_vregs of its grid step's own code for a q block of `q_block_rows` rows): one busy
+    decode step as the ranking charges it. `variant`: kv_dtype, token_major, token_scales."""
+    units = item_units(
+        gen,
+        rows=rows,
+        kv_tokens=kv_tokens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
+    per_step = step_vregs(
+        gen,
+        rows=q_block_rows,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **variant,
+    )
+    return units, per_step
+
+
 def decode_step_bundles(
     gen: TpuGeneration,
     *,
@@ -396,26 +421,17 @@ def decode_step_bundles(
     the rest of the grid step."""
     if token_scales is None:
         token_scales = _itemsize(kv_dtype) == 1
-    variant = dict(
-        kv_dtype=kv_dtype,
-        token_major=token_major or _itemsize(kv_dtype) == 1,
-        token_scales=token_scales,
-    )
-    u = item_units(
+    u, sv = _busy_step_units(
         gen,
         rows=narrow_rows(group, block_q * group),
+        q_block_rows=block_q * group,
         kv_tokens=pages_per_block * page_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        **variant,
-    )
-    sv = step_vregs(
-        gen,
-        rows=block_q * group,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        **variant,
+        kv_dtype=kv_dtype,
+        token_major=token_major or _itemsize(kv_dtype) == 1,
+        token_scales=token_scales,
     )
     return {
         "tile": _generations.tile_bundles(gen, tiles=1, **u),
@@ -464,22 +480,17 @@ def decode_cost(
     table_bytes = 4 * (3 * num_tokens + 2 + num_tokens * pages_per_seq) + LAYOUT.nbytes(steps)
     issued = 4 * num_tokens * per_seq * rows * ppb * page_size * head_dim * num_kv_heads
     useful = 4 * num_tokens * group * kv_tokens * head_dim * num_kv_heads
-    variant = dict(kv_dtype=kv_dtype, token_major=token_major, token_scales=token_scales)
-    units = item_units(
+    units, per_step = _busy_step_units(
         gen,
         rows=rows,
+        q_block_rows=block_q * group,
         kv_tokens=ppb * page_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        **variant,
-    )
-    per_step = step_vregs(
-        gen,
-        rows=block_q * group,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        **variant,
+        kv_dtype=kv_dtype,
+        token_major=token_major,
+        token_scales=token_scales,
     )
     return KernelCost(
         useful_flops=int(useful),

@@ -342,13 +342,20 @@ def window_units(gen: TpuGeneration, rows, tk: int, cols: int, n_rhs: int, lhs_d
     return {"mxu_pushes": pushes, "vmem_loads": weights + lhs + acc, "vmem_stores": acc}
 
 
-def _window_totals(gen, window_rows, window_counts, tk, cols, n_rhs, lhs_dtype) -> dict:
-    """Unit counts of `window_counts[i]` windows of `window_rows[i]` rows each, summed."""
+def _summed_windows(per_window: dict, window_counts) -> dict:
+    """Unit counts of `window_counts[i]` windows whose units are `per_window[key][i]`, summed
+    (gmm's `window_units` or tgmm's `tgmm_window_units` over the window kinds), and their
+    number as compute_tiles."""
     counts = np.asarray(window_counts, dtype=np.float64)
-    u = window_units(gen, window_rows, tk, cols, n_rhs, lhs_dtype)
-    out = {key: int(round(float((counts * v).sum()))) for key, v in u.items()}
+    out = {key: int(round(float((counts * v).sum()))) for key, v in per_window.items()}
     out["compute_tiles"] = int(round(float(counts.sum())))
     return out
+
+
+def _window_totals(gen, window_rows, window_counts, tk, cols, n_rhs, lhs_dtype) -> dict:
+    """gmm windows: `window_counts[i]` windows of `window_rows[i]` rows each, summed."""
+    u = window_units(gen, window_rows, tk, cols, n_rhs, lhs_dtype)
+    return _summed_windows(u, window_counts)
 
 
 def _step_vregs(tm: int, tn: int, gate_layout: Optional[str]) -> int:
@@ -463,9 +470,10 @@ def gmm_candidate_cost(
     )
 
 
-def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised, gate_layout):
+def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within):
     """The (tm, tk, tn) `best_tiles` ranks fastest (tpu_generations.ranked_seconds of
-    `gmm_candidate_cost`) among the candidates whose VMEM need fits the budget; fields given in
+    `cost_of(tm, tk, tn)`, a KernelCost) among the candidates whose VMEM need fits the budget,
+    ties within `within` to the fewest HBM bytes, then grid steps (`_tie_break`); fields given in
     `ov` are kept as given. Nothing fits (only possible with an override): the smallest need."""
     budget = vmem_budget_bytes(gen)
     tms = _row_candidates(gen, m, unit, ov.get("tm"))
@@ -475,27 +483,27 @@ def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised,
     for tm in tms:
         for tk in tks:
             for tn in tns:
-                cost = gmm_candidate_cost(
-                    gen,
-                    m,
-                    k,
-                    n,
-                    num_groups,
-                    *dtypes,
-                    tm,
-                    tk,
-                    tn,
-                    quantised=quantised,
-                    gate_layout=gate_layout,
-                )
+                cost = cost_of(tm, tk, tn)
                 # The tie-break's keys travel with the tiles (best_tiles hands it the tiles).
                 tiles = (tm, tk, tn, cost.hbm_bytes, cost.grid_steps)
                 if cost.vmem_bytes <= budget:
                     fitting.append((tiles, cost))
                 if smallest is None or cost.vmem_bytes < smallest[0]:
                     smallest = (cost.vmem_bytes, tiles)
-    best = best_tiles(fitting, gen, tie_break=_tie_break, within=RANKING_TOLERANCE)
+    best = best_tiles(fitting, gen, tie_break=_tie_break, within=within)
     return (best[0] if best is not None else smallest[1])[:3]
+
+
+def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised, gate_layout):
+    """gmm's tiles: `_ranked_search` over `gmm_candidate_cost`, ties within RANKING_TOLERANCE."""
+
+    def cost_of(tm, tk, tn):
+        return gmm_candidate_cost(
+            gen, m, k, n, num_groups, *dtypes, tm, tk, tn, quantised=quantised,
+            gate_layout=gate_layout,
+        )  # fmt: skip
+
+    return _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, RANKING_TOLERANCE)
 
 
 def _tie_break(tiles):
@@ -551,13 +559,22 @@ def tgmm_window_units(gen: TpuGeneration, rows, tk: int, cols: int, lhs_dtype, d
     }
 
 
+def _work_list_windows(wl, compute, tm: int, buckets) -> tuple[list[int], list[int]]:
+    """The row windows a work list runs, as (rows of each window kind, how many of each): every
+    computing item runs NFULL full windows of row_chunk(tm) rows and at most one tail window of
+    its bucket's rows (gmm and tgmm alike)."""
+    tails = compute & (wl["BUCKET"] >= 0)
+    rows = [row_chunk(tm)] + list(buckets)
+    counts = [int(wl["NFULL"][compute].sum())] + [
+        int((tails & (wl["BUCKET"] == b)).sum()) for b in range(len(buckets))
+    ]
+    return rows, counts
+
+
 def _tgmm_window_totals(gen, window_rows, window_counts, tk, cols, lhs_dtype, dout_dtype) -> dict:
-    """Unit counts of `window_counts[i]` tgmm windows of `window_rows[i]` rows each, summed."""
-    counts = np.asarray(window_counts, dtype=np.float64)
+    """tgmm windows: `window_counts[i]` windows of `window_rows[i]` rows each, summed."""
     u = tgmm_window_units(gen, window_rows, tk, cols, lhs_dtype, dout_dtype)
-    out = {key: int(round(float((counts * v).sum()))) for key, v in u.items()}
-    out["compute_tiles"] = int(round(float(counts.sum())))
-    return out
+    return _summed_windows(u, window_counts)
 
 
 def _tgmm_step_vregs(tk: int, tn: int) -> int:
@@ -608,26 +625,13 @@ def tgmm_candidate_cost(
 
 
 def _tgmm_search(gen, m, k, n, num_groups, unit, ov, dtypes):
-    """The (tm, tk, tn) `best_tiles` ranks fastest (ranked_seconds of `tgmm_candidate_cost`)
-    among the candidates whose VMEM need fits the budget, ties within TGMM_RANKING_TOLERANCE to
-    the fewest HBM bytes, then grid steps; fields in `ov` kept as given. Nothing fits (only
-    possible with an override): the smallest need."""
-    budget = vmem_budget_bytes(gen)
-    tms = _row_candidates(gen, m, unit, ov.get("tm"))
-    tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
-    tns = [ov["tn"]] if ov.get("tn") else _dim_candidates(n)
-    fitting, smallest = [], None
-    for tm in tms:
-        for tk in tks:
-            for tn in tns:
-                cost = tgmm_candidate_cost(gen, m, k, n, num_groups, *dtypes, tm, tk, tn)
-                tiles = (tm, tk, tn, cost.hbm_bytes, cost.grid_steps)
-                if cost.vmem_bytes <= budget:
-                    fitting.append((tiles, cost))
-                if smallest is None or cost.vmem_bytes < smallest[0]:
-                    smallest = (cost.vmem_bytes, tiles)
-    best = best_tiles(fitting, gen, tie_break=_tie_break, within=TGMM_RANKING_TOLERANCE)
-    return (best[0] if best is not None else smallest[1])[:3]
+    """tgmm's tiles: `_ranked_search` over `tgmm_candidate_cost`, ties within
+    TGMM_RANKING_TOLERANCE."""
+
+    def cost_of(tm, tk, tn):
+        return tgmm_candidate_cost(gen, m, k, n, num_groups, *dtypes, tm, tk, tn)
+
+    return _ranked_search(gen, m, k, unit, ov, _dim_candidates(n), cost_of, TGMM_RANKING_TOLERANCE)
 
 
 def _override(override, cls) -> dict:
@@ -960,11 +964,7 @@ def estimate_cost(
         n_rhs, cols = _weight_blocks(tn, gate_layout)
         cn = window_cols(tk, cols)
         reps = nt * kt * (cols // cn)
-        tails = compute & (wl["BUCKET"] >= 0)
-        window_rows = [row_chunk(tm)] + list(buckets)
-        window_counts = [int(wl["NFULL"][compute].sum())] + [
-            int((tails & (wl["BUCKET"] == b)).sum()) for b in range(len(buckets))
-        ]
+        window_rows, window_counts = _work_list_windows(wl, compute, tm, buckets)
         units = _window_totals(
             gen, window_rows, [reps * c for c in window_counts], tk, cn, n_rhs, lhs_dtype
         )
@@ -1012,11 +1012,7 @@ def estimate_cost(
         gen = get_generation(generation)
         cn = window_cols(tk, tn)
         reps = kt * nt * (tn // cn)
-        tails = compute & (wl["BUCKET"] >= 0)
-        window_rows = [row_chunk(tm)] + list(buckets)
-        window_counts = [int(wl["NFULL"][compute].sum())] + [
-            int((tails & (wl["BUCKET"] == b)).sum()) for b in range(len(buckets))
-        ]
+        window_rows, window_counts = _work_list_windows(wl, compute, tm, buckets)
         units = _tgmm_window_totals(
             gen, window_rows, [reps * c for c in window_counts], tk, cn, lhs_dtype, rhs_dtype
         )
