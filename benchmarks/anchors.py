@@ -493,7 +493,9 @@ def flash_compile_args(shape, block: int = FLASH_BLOCK):
     ids = shape.segment_ids()
     segment_ids = None
     if ids is not None:
-        rows = jnp.broadcast_to(jnp.asarray(ids), (shape.batch, shape.seq))
+        rows = np.broadcast_to(
+            np.asarray(ids), (shape.batch, shape.seq)
+        )  # host arrays: no eager TPU op
         segment_ids = fa.SegmentIds(q=rows, kv=rows)
 
     def fn(q, k, v):
@@ -799,7 +801,7 @@ def splash_compile_args(shape, block: int = SPLASH_BLOCK):
     segment_ids = None
     if ids is not None:
         sk, _ = _splash_modules()
-        segment_ids = sk.SegmentIds(q=jnp.asarray(ids), kv=jnp.asarray(ids))
+        segment_ids = sk.SegmentIds(q=np.asarray(ids), kv=np.asarray(ids))  # host arrays
 
     def fn(q, k, v):
         if not lead:
