@@ -314,12 +314,14 @@ def read_schedule(
         entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
     entry["_program"] = program
     # A compile that ran out of time says nothing about the program: not cached. Nor does a
-    # refresh that failed replace what the cache holds.
-    failed = "error" in entry
+    # refresh that failed replace a compiled entry the cache holds for the row.
+    replaces_good = refresh and any(
+        k.startswith(row) and "error" not in e for k, e in _load_cache().items()
+    )
     if (
         (use_cache or refresh)
-        and not (refresh and failed)
-        and not (entry.get("error", "").startswith("Command '"))
+        and not (replaces_good and "error" in entry)
+        and not entry.get("error", "").startswith("Command '")
     ):
         _save_cache({key: entry})
     return entry
@@ -395,7 +397,7 @@ def main(argv=None) -> None:
             t0 = time.time()
             e = read_schedule(args.kind, impl, args.shape, gen, refresh=True)
             got = "regions" in (e or {}).get("_model", {})
-            err = f", not replaced: {e['error'][:200]}" if e and "error" in e else ""
+            err = f", does not compile: {e['error'][:200]}" if e and "error" in e else ""
             print(
                 f"{args.kind} {impl} {args.shape} {gen}: {time.time() - t0:.0f}s, regions {got}{err}"
             )
