@@ -453,7 +453,6 @@ def _llo():
 
 
 def _model():
-    _llo()
     import schedule_model
 
     return schedule_model

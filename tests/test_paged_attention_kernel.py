@@ -1002,7 +1002,7 @@ def test_8bit_token_major_decode_is_exact_for_every_byte(dtype):
             x = kernel._token_major_head_8bit(buf, 0, h, hkv, tokens, True, words, 0)
             out[h] = x.astype(jnp.float32)
 
-    got = pl_call(body, slot, (hkv, tokens, d))
+    got = _interpret_call(body, slot, (hkv, tokens, d))
     as_float = raw.view(np.int8) if dtype == "int8" else raw.view(jnp.float8_e4m3fn)
     want = as_float.astype(np.float32).reshape(tokens, hkv, d).transpose(1, 0, 2)
     finite = np.isfinite(want)
@@ -1010,7 +1010,8 @@ def test_8bit_token_major_decode_is_exact_for_every_byte(dtype):
     np.testing.assert_array_equal(np.asarray(got)[finite], want[finite])
 
 
-def pl_call(body, x, out_shape):
+def _interpret_call(body, x, out_shape):
+    """`body(x_ref, out_ref)` as a Pallas call in interpret mode, an f32 `out_shape` output."""
     from jax.experimental import pallas as pl
 
     return pl.pallas_call(
