@@ -532,6 +532,58 @@ def test_token_major_bf16_head_unpacking(hkv):
     run_token_major(b, soft_cap=20.0, tol=3e-2)
 
 
+def test_nan_in_one_sequence_stays_in_it():
+    """Decode tokens of several sequences share the narrow path's rows; a NaN in one sequence's
+    valid value must not reach the others (their probabilities there are 0, and 0 * NaN is
+    NaN in the probability matmul): only that sequence's q heads of that KV head are NaN, every
+    other output equals the reference, rows of no sequence are zero."""
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, [1, 1, 1], [37, 70, 9])
+    kv = np.array(b["kv"])
+    args = (b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    ref = reference.ragged_paged_attention_ref(b["q"], kv, *args)
+    kv[b["pt"][1, 5 // PS], 1, 5 % PS] = np.nan  # V of KV head 0 (index 2h + 1), sequence 1
+    out = np.asarray(kernel.ragged_paged_attention(b["q"], kv, *args, interpret=True))
+    poisoned = np.zeros(out.shape[:2], bool)
+    poisoned[1, : HQ // HKV] = True  # token 1 is sequence 1's; KV head 0's q heads
+    assert np.isnan(out[poisoned]).all()
+    np.testing.assert_allclose(out[:3][~poisoned[:3]], ref[:3][~poisoned[:3]], atol=2e-5, rtol=2e-5)
+    assert not out[3:].any()
+
+
+def test_token_major_bf16_head_pairs_keep_heads_apart():
+    """Decode over bf16 token-major pages computes two KV heads per pass (kernel.py
+    compute_head_pairs: one uint32 word holds a token of both). A NaN in one head's valid key
+    and value reaches that token's pair of KV heads (the partner's probabilities are 0 there,
+    and 0 * NaN is NaN in the probability matmul) and nothing else: every other head and every
+    other sequence sharing the narrow rows stays equal to the reference (windowed,
+    soft-capped, with sinks)."""
+    rng = np.random.default_rng(7)
+    hkv, hq = 4, 8
+    b = make_token_major(
+        rng, [1, 1, 1], [37, 70, 9], dtype=jax.numpy.bfloat16, hkv=hkv, hq=hq, tokens=8
+    )
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    args = (b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    clean = [reference.write_kv_token_major_ref(b[n], b["new_" + n], *args) for n in ("k", "v")]
+    poisoned_caches = [np.array(c) for c in clean]
+    page, row = b["pt"][1, 5 // PS], 5 % PS  # sequence 1, key 5 (valid), KV head 3
+    for c in poisoned_caches:
+        c[page, row, 3] = np.nan
+    kw = dict(sliding_window=100, soft_cap=25.0, sinks=sinks)
+    out = kernel.paged_attention_token_major(
+        b["q"], *[jax.numpy.asarray(c) for c in poisoned_caches], *args, interpret=True, **kw
+    )
+    out = np.asarray(out.astype(np.float32))
+    ref = reference.paged_attention_token_major_ref(b["q"], *clean, *args, **kw)
+    g = hq // hkv
+    poisoned = np.zeros(out.shape[:2], bool)
+    poisoned[1, 2 * g : 4 * g] = True  # token 1 is sequence 1's decode token; KV heads 2, 3
+    assert np.isnan(out[poisoned]).all()
+    np.testing.assert_allclose(out[:3][~poisoned[:3]], ref[:3][~poisoned[:3]], atol=3e-2, rtol=3e-2)
+    assert not out[3:].any()
+
+
 def test_token_major_rejects_unpackable_heads():
     b = make_token_major(np.random.default_rng(0), [1], [3], dtype=jax.numpy.bfloat16, hkv=3, hq=3)
     with pytest.raises(ValueError, match="even number of KV heads"):

@@ -40,9 +40,13 @@ bitcast), so the kernel sees [num_blocks, block_size * Hkv, D] with row t * Hkv 
 (or a partial page's valid tokens, in whole sublane tiles) with one DMA into a flat VMEM slot, and
 reads head h's keys as the rows h, h + Hkv, ... of the slot: a sublane-strided load. Mosaic has
 strided loads for 32-bit data only, so 16-bit slots are loaded as uint32 words (two heads of one
-token per word; bf16 widens to f32 by a shift) and 8-bit slots as words of four heads (a shift and
-mask per head; int8 by sign extension, e4m3 decoded with integer ops). The rest of the schedule
-is the head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
+token per word) and 8-bit slots as words of four heads (a shift and mask per head; int8 by sign
+extension, e4m3 decoded with integer ops). On the narrow (decode) path a 16-bit slot's words are
+used as they are: bitcast, the words of heads 2m and 2m + 1 are [2 * kv_tok, D] keys with row
+2t + k = token t of head 2m + k, and the pair's stacked q rows meet both heads' keys in one
+matmul, a score kept where the key's head is the row's (compute_head_pairs); the whole-q-block
+path widens each head's half of a word to f32 by a shift. The rest of the schedule is the
+head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
 in the same call: one DMA per token and cache moves the token's contiguous [Hkv, D] row into its
 page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
 ([num_blocks, Hkv, block_size], one lane-aligned row per page, DMA'd with the page) that multiply
@@ -200,6 +204,10 @@ def _paged_kernel(
     chunk_sizes = tiling.partial_page_chunks(page_size, bufs[0].dtype, tile=copy_tile)
     # Token-major: one page is page_size * Hkv rows of the flat [rows, D] buffer (row t * Hkv + h).
     page_rows = page_size * num_kv_heads
+    # 16-bit token-major pages on the narrow path: two KV heads per uint32 word, computed as a
+    # pair with nothing unpacked (compute_head_pairs). Interpreters without ref bitcasts take the
+    # per-head strided loads.
+    pair_heads = unpack_u32 and tiling.pair_heads(bufs[0].dtype, num_kv_heads, token_major)
 
     i = pl.program_id(0)
     nitems = nitems_ref[0]
@@ -420,9 +428,10 @@ def _paged_kernel(
         keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid * num_kv_heads
         buf[slot, pl.ds(start, page_rows), :] = jnp.where(keep, x, jnp.zeros_like(x))
 
-    def compute(r0, nr: int):
-        row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
+    def item_mask(row, col):
+        """Which (q row of the q block, key of the KV block) scores this item keeps: the key is
+        valid (within the item's pages and kv_len), the row is one of the sequence's tokens, and
+        the key is visible to it (causal, sliding window)."""
         tok = blk_tok0 + lax.div(row, group)
         qpos = kv_len - (q_end - q_start) + (tok - q_start)
         kpos = first_page * page_size + col
@@ -432,6 +441,24 @@ def _paged_kernel(
             mask &= kpos <= qpos
             if sliding_window is not None:
                 mask &= qpos - kpos < sliding_window
+        return mask
+
+    def own_rows(r0, nr: int, copies: int = 1):
+        """[copies * nr, 1]: which of the rows r0..r0 + nr (stacked `copies` times) are this
+        item's sequence's. The others (other sequences' tokens sharing the rows, or no
+        sequence's) keep their accumulator as it was: their probabilities are 0, but 0 times a
+        NaN value of this sequence is NaN, and it must not reach another sequence's output."""
+        r = lax.broadcasted_iota(jnp.int32, (copies * nr, 1), 0)
+        tok = blk_tok0 + lax.div(r0 + (lax.rem(r, nr) if copies > 1 else r), group)
+        return (tok >= q_start) & (tok < q_end)
+
+    def compute(r0, nr: int):
+        if nr == narrow and pair_heads:
+            return compute_head_pairs(r0, nr)
+        row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
+        mask = item_mask(row, col)
+        own = own_rows(r0, nr)
         words = {}
 
         def head_kv(h):
@@ -485,7 +512,8 @@ def _paged_kernel(
                 pv = pv * static_ref[1, h]
             m_ref[h, pl.ds(r0, nr), :] = m_new
             l_ref[h, pl.ds(r0, nr), :] = l_new
-            acc_ref[h, pl.ds(r0, nr), :] = alpha * acc_ref[h, pl.ds(r0, nr), :] + pv
+            acc_prev = acc_ref[h, pl.ds(r0, nr), :]
+            acc_ref[h, pl.ds(r0, nr), :] = jnp.where(own, alpha * acc_prev + pv, acc_prev)
 
         # Each MXU runs its pushes and matmuls in program order, so head h + 1's key push and
         # score matmul are traced before head h's probability matmul: they then fill the MXUs
@@ -505,6 +533,88 @@ def _paged_kernel(
             pending = cur
         if pending is not None:
             update(num_kv_heads - 1, *pending)
+
+    def compute_head_pairs(r0, nr: int):
+        """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
+        of the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
+        [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
+        them, nothing unpacked (the per-head path moved every word's half to an f32 word and
+        packed it back: 2 of every 3 VALU ops of a decode step). The pair's q rows are stacked,
+        [2 * nr, D] (head 2m, then head 2m + 1), against all 2 * kv_tok rows; a score is kept
+        where the key's head (column parity) is the row's head. In decode the narrow rows are
+        mostly other sequences' rows, so the stacked softmax is the two heads' own softmax
+        twice over, cheaper than the unpacking it replaces."""
+        shape = (2 * nr, 2 * kv_tok)
+        stacked_row = lax.broadcasted_iota(jnp.int32, shape, 0)
+        col = lax.broadcasted_iota(jnp.int32, shape, 1)
+        row_head = stacked_row >= nr  # the row's head of the pair: 0 or 1
+        # Column 2t + k is key t of head k: the per-head mask on (row, t), where the heads match.
+        q_row = r0 + jnp.where(row_head, stacked_row - nr, stacked_row)
+        keep = item_mask(q_row, col >> 1)
+        keep &= (col & 1) == row_head.astype(jnp.int32)
+        own = own_rows(r0, nr, copies=2)
+        # Dropped scores become -inf, not NEG: the running max starts at NEG (or a sink logit),
+        # so it stays finite and a dropped score's exp is exactly 0 with no second select (a row
+        # with no kept score keeps m, l and acc: alpha = 1, p = 0). A select, not an additive
+        # bias: a stale key slot (NaN) or the other head's key must not reach a kept row.
+        # Base-2 scores: exp2 is the EUP's op (jnp.exp multiplies every argument by log2(e)
+        # first); log2(e) rides on the score scale, the statistics are converted on load / store.
+        log2e = math.log2(math.e)
+        rs = pl.ds(r0, nr)
+
+        def pair_kv(m):
+            return tuple(
+                pltpu.bitcast(
+                    bufs[a].bitcast(jnp.uint32)[
+                        slot, pl.ds(m, kv_tok, stride=num_kv_heads // 2), :
+                    ],
+                    bufs[a].dtype,
+                )
+                for a in range(2)
+            )
+
+        def stacked(ref, m):
+            return jnp.concatenate([ref[2 * m, rs, :], ref[2 * m + 1, rs, :]], axis=0)
+
+        def scores(m):
+            k, v = pair_kv(m)
+            s = jax.lax.dot_general(
+                stacked(q_ref, m), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            if soft_cap is not None:
+                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log2e)
+            else:
+                s = s * (sm_scale * log2e)
+            return jnp.where(keep, s, -jnp.inf), v
+
+        def update(m, s, v):
+            m_prev = stacked(m_ref, m) * log2e
+            l_prev = stacked(l_ref, m)
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(s - m_new)
+            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            pv = jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc_prev = stacked(acc_ref, m)
+            acc_new = jnp.where(own, alpha * acc_prev + pv, acc_prev)
+            m_new = m_new * (1.0 / log2e)
+            for k in range(2):
+                half = slice(k * nr, (k + 1) * nr)
+                m_ref[2 * m + k, rs, :] = m_new[half]
+                l_ref[2 * m + k, rs, :] = l_new[half]
+                acc_ref[2 * m + k, rs, :] = acc_new[half]
+
+        # As the per-head path: pair m + 1's key push and score matmul are traced before pair
+        # m's probability matmul, so they fill the MXUs while pair m's softmax runs.
+        pending = None
+        for m in range(num_kv_heads // 2):
+            cur = scores(m)
+            if pending is not None:
+                update(m - 1, *pending)
+            pending = cur
+        update(num_kv_heads // 2 - 1, *pending)
 
     active = (i < nitems) & (npages > 0)
 

@@ -270,13 +270,25 @@ def choose_config(
 #   bundles per key of 8 heads on every generation). The shared memory_issue under-counts it:
 #   PAGED_LOAD_ISSUE multiplies the loaded vregs and PAGED_HEAD_LOADS counts per-KV-head loads
 #   besides K and V (q rows, statistics, accumulator, spilled mask temporaries), both least
-#   squares on the 2- and 8-page KV blocks (256 and 1024 keys) of each generation;
-# - token-major pages are VALU-bound (dumps: VALU 44-97% busy): PAGED_VALU_PER_SCORE_VREG VALU ops
+#   squares on the 2- and 8-page KV blocks (256 and 1024 keys) of each generation (v6e's head
+#   loads refitted 17 -> 20 when the accumulator's own-row select added 3-54 bundles a step:
+#   its points' worst error 6.1% -> 4.9%);
+# - token-major pages unpacked per head are VALU-bound (dumps: VALU 44-97% busy): PAGED_VALU_PER_SCORE_VREG VALU ops
 #   per f32 score vreg (mask, scale, max, exp argument, select, sum: the head-major dumps' VALU
 #   slots, 10.7 per score vreg) and PAGED_UNPACK_VALU[cache] per f32 vreg of keys and values
-#   unpacked (fitted on v6e's 8-page points with the shared vector_issue); PAGED_VALU_ISSUE scales
+#   unpacked (fitted on v6e's 8-page points with the shared vector_issue; bf16's on the per-head
+#   narrow path the pair path below replaced, and still what the whole-q-block path and odd
+#   head counts unpack); PAGED_VALU_ISSUE scales
 #   the VALU ops per generation (v5e's shared vector_issue is v6e's, never fitted on a
 #   vector-bound v5e dump: its unpacking paths take 15% more bundles than that predicts);
+# - 16-bit token-major pages with an even head count take the narrow path two KV heads at a time
+#   (`pair_heads`, kernel.py compute_head_pairs): nothing unpacked, the pair's q rows stacked
+#   against both heads' keys, so each head's scores are twice the vregs; its softmax drops the
+#   second select and exp's log2(e) multiply (base-2 scores): PAIR_VALU_PER_SCORE_VREG VALU ops
+#   per f32 score vreg (v6e's 8-page dump: its VALU slots over its score vregs; no point is
+#   VALU-bound by the model). The path is load-bound as the head-major one, with
+#   PAIR_LOAD_FACTOR times the K and V vregs (strided word loads, the stacked scores spilled),
+#   fitted on the bf16 token-major points (8 and 4 pages, every generation: within 5.2%);
 # - the grid step's own code outside the compute paths (the page DMA issue and wait loops with
 #   their partial-page chunk branches, the stale-value zeroing of one page slot, the q block's
 #   init and write-back) goes through the shared step terms (step_vregs): the vregs it moves plus
@@ -284,7 +296,7 @@ def choose_config(
 #   of what each generation's calibration steps imply (the shared step_fixed_bundles and
 #   step_vreg_bundles alone under-count the paged step by 35-55%).
 PAGED_LOAD_ISSUE = {"v5e": 1.34, "v6e": 1.58, "tpu7x": 2.88}
-PAGED_HEAD_LOADS = {"v5e": 40.0, "v6e": 17.0, "tpu7x": 10.0}
+PAGED_HEAD_LOADS = {"v5e": 40.0, "v6e": 20.0, "tpu7x": 10.0}
 PAGED_VALU_PER_SCORE_VREG = 10.7
 PAGED_UNPACK_VALU = {
     "head_major": 0.0,
@@ -294,9 +306,12 @@ PAGED_UNPACK_VALU = {
     "float8_e4m3fn": 7.9,
 }
 PAGED_VALU_ISSUE = {"v5e": 1.15, "v6e": 1.0, "tpu7x": 1.045}
+PAIR_VALU_PER_SCORE_VREG = 11.7
+PAIR_LOAD_FACTOR = 1.3
 PAGED_STEP_STREAM_VREGS = {"v5e": 155.0, "v6e": 275.0, "tpu7x": 200.0}
-# The model's error on a busy decode step (max |error| over "paged_points": 4.3%): candidates
-# within it of the fastest are ties, ordered by the preference list.
+# The model's error on a busy decode step (max |error| over "paged_points": 5.2% on TPU7x's 4-page
+# pair point, 4.3% elsewhere): candidates within it of the fastest are ties, ordered by the
+# preference list.
 RANKING_TOLERANCE = 0.05
 
 
@@ -312,6 +327,13 @@ def _variant(kv_dtype, token_major: bool) -> str:
     return "float32" if _itemsize(kv_dtype) == 4 else "bfloat16"
 
 
+def pair_heads(kv_dtype, num_kv_heads: int, token_major: bool) -> bool:
+    """Whether the narrow (decode) path computes KV heads two at a time (kernel.py
+    compute_head_pairs): token-major 16-bit pages with an even number of KV heads, where one
+    uint32 word holds one token of two heads."""
+    return bool(token_major) and _itemsize(kv_dtype) == 2 and num_kv_heads % 2 == 0
+
+
 def item_units(
     gen: TpuGeneration,
     *,
@@ -322,23 +344,33 @@ def item_units(
     kv_dtype,
     token_major: bool = False,
     token_scales: bool = False,
+    narrow: bool = True,
 ) -> dict:
     """What one work item's compute (`rows` q rows of each KV head against `kv_tokens` keys, the
     kernel's `compute(r0, rows)`) pushes through each unit, summed over its KV heads: MXU
     pushes of both matmuls, EUP pushes (one exp per score, one rescale exp per row), effective
     VALU ops (softmax per score vreg, unpacking per f32 vreg of keys and values, the
     per-key scales' multiplies), and VMEM loads (the cache's K and V vregs and the per-head
-    loads, times the generation's PAGED_LOAD_ISSUE)."""
+    loads, times the generation's PAGED_LOAD_ISSUE). `narrow`: the item takes the narrow path
+    (`pair_heads` applies there)."""
     dp = _round_up(head_dim, 128)
-    score_vregs = rows * kv_tokens / 1024
     kv_f32_vregs = 2 * kv_tokens * dp / 1024
     kv_loaded = 2 * kv_tokens * dp * _itemsize(kv_dtype) / 4096
-    unpack = PAGED_UNPACK_VALU[_variant(kv_dtype, token_major)]
-    valu = PAGED_VALU_PER_SCORE_VREG * score_vregs + unpack * kv_f32_vregs
+    if narrow and pair_heads(kv_dtype, num_kv_heads, token_major):
+        # Per head: half of a pair's [2 rows, 2 kv_tokens] scores and of its matmuls.
+        score_vregs = 2 * rows * kv_tokens / 1024
+        valu = PAIR_VALU_PER_SCORE_VREG * score_vregs
+        pushes = _generations.mxu_pushes(gen, 2 * rows, dp, 2 * kv_tokens) / 2
+        pushes += _generations.mxu_pushes(gen, 2 * rows, 2 * kv_tokens, dp) / 2
+        kv_loaded *= PAIR_LOAD_FACTOR
+    else:
+        score_vregs = rows * kv_tokens / 1024
+        unpack = PAGED_UNPACK_VALU[_variant(kv_dtype, token_major)]
+        valu = PAGED_VALU_PER_SCORE_VREG * score_vregs + unpack * kv_f32_vregs
+        pushes = _generations.mxu_pushes(gen, rows, dp, kv_tokens)
+        pushes += _generations.mxu_pushes(gen, rows, kv_tokens, dp)
     if token_scales:  # the K scale multiply and the V scale multiply and select, per score vreg
         valu += 3 * score_vregs
-    pushes = _generations.mxu_pushes(gen, rows, dp, kv_tokens)
-    pushes += _generations.mxu_pushes(gen, rows, kv_tokens, dp)
     # v5p (no dump read) takes v5e's factors, as tpu_generations gives it v5e's bundle model.
     name = gen.name if gen.name in PAGED_LOAD_ISSUE else "v5e"
     load_issue = PAGED_LOAD_ISSUE[name]
@@ -674,6 +706,7 @@ def traffic(
                 kv_tokens=ppb * page_size,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                narrow=path_rows == nr,
                 **variant,
             )
             for k in units:
