@@ -174,7 +174,9 @@ def _compile_token_major(generation, page_size, tokens, *, write, seqs=SEQS, ctx
 
 @pytest.mark.parametrize(
     "generation,page_size,tokens",
-    tpu_compile.generation_per_case([(128, SEQS), (16, 2048 + SEQS - 1)], start=2),
+    # decode (the paired-head path) on every generation; the page-16 mixed batch on one
+    [(g, 128, SEQS) for g in tpu_compile.TESTED_GENERATIONS]
+    + tpu_compile.generation_per_case([(16, 2048 + SEQS - 1)], start=0),
 )
 def test_token_major_write_and_attention_in_place(generation, page_size, tokens):
     """Token-major caches read natively and the new tokens written by the Pallas writer in the same

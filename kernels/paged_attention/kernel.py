@@ -143,6 +143,17 @@ def _token_major_head_8bit(
     return pltpu.bitcast(bits, jnp.float32).astype(jnp.bfloat16)
 
 
+def _scores_one_ahead(n: int, scores, update):
+    """Trace `scores(j + 1)` before `update(j, *scores(j))` for j < n: each MXU runs its matmuls
+    in program order, so the next head's score matmul then fills it during this head's softmax."""
+    pending = scores(0)
+    for j in range(1, n):
+        cur = scores(j)
+        update(j - 1, *pending)
+        pending = cur
+    update(n - 1, *pending)
+
+
 def _paged_kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,
@@ -521,18 +532,11 @@ def _paged_kernel(
         # h's softmax; the decode step was that chain, 8 heads long). A few rows only (the decode
         # path): two heads' scores of a whole q block would not fit in registers. Not for 8-bit
         # pages: two heads' unpacked words in flight overran the 32 MiB scoped VMEM on TPU7x.
-        lookahead = nr <= 2 * tiling.NARROW_ROWS and quant is None
-        pending = None
-        for h in range(num_kv_heads):
-            cur = scores(h)
-            if not lookahead:
-                update(h, *cur)
-                continue
-            if pending is not None:
-                update(h - 1, *pending)
-            pending = cur
-        if pending is not None:
-            update(num_kv_heads - 1, *pending)
+        if nr <= 2 * tiling.NARROW_ROWS and quant is None:
+            _scores_one_ahead(num_kv_heads, scores, update)
+        else:
+            for h in range(num_kv_heads):
+                update(h, *scores(h))
 
     def compute_head_pairs(r0, nr: int):
         """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
@@ -608,13 +612,7 @@ def _paged_kernel(
 
         # As the per-head path: pair m + 1's key push and score matmul are traced before pair
         # m's probability matmul, so they fill the MXUs while pair m's softmax runs.
-        pending = None
-        for m in range(num_kv_heads // 2):
-            cur = scores(m)
-            if pending is not None:
-                update(m - 1, *pending)
-            pending = cur
-        update(num_kv_heads // 2 - 1, *pending)
+        _scores_one_ahead(num_kv_heads // 2, scores, update)
 
     active = (i < nitems) & (npages > 0)
 

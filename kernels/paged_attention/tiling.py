@@ -273,8 +273,8 @@ def choose_config(
 #   squares on the 2- and 8-page KV blocks (256 and 1024 keys) of each generation (v6e's head
 #   loads refitted 17 -> 20 when the accumulator's own-row select added 3-54 bundles a step:
 #   its points' worst error 6.1% -> 4.9%);
-# - token-major pages unpacked per head are VALU-bound (dumps: VALU 44-97% busy): PAGED_VALU_PER_SCORE_VREG VALU ops
-#   per f32 score vreg (mask, scale, max, exp argument, select, sum: the head-major dumps' VALU
+# - token-major pages unpacked per head are VALU-bound (dumps: VALU 44-97% busy):
+#   PAGED_VALU_PER_SCORE_VREG VALU ops per f32 score vreg (mask, scale, max, exp argument, select, sum: the head-major dumps' VALU
 #   slots, 10.7 per score vreg) and PAGED_UNPACK_VALU[cache] per f32 vreg of keys and values
 #   unpacked (fitted on v6e's 8-page points with the shared vector_issue; bf16's on the per-head
 #   narrow path the pair path below replaced, and still what the whole-q-block path and odd
