@@ -276,9 +276,10 @@ def paged_side(q_lens, kv_lens, num_tokens, max_seqs, generation) -> Side:
         generation=generation,
         tiles=cfg,
     )
-    # Steps per compute path from the kernel's work list (as ours.PagedAttention.schedule_trips):
-    # an item whose rows sit in one narrow slice of its q block takes the narrow path, any other
-    # item with pages the whole-q-block path.
+    # Steps per compute path from the kernel's work list (tiling.path_runs, as
+    # ours.PagedAttention.schedule_trips).
+    import ours
+
     bq = cfg.block_q
     group = HQ // HKV
     rows = bq * group
@@ -293,18 +294,8 @@ def paged_side(q_lens, kv_lens, num_tokens, max_seqs, generation) -> Side:
         sliding_window=None,
         causal=True,
     )
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    runs = [0, 0]
-    for b, s, _, npages in items:
-        if npages == 0:
-            continue
-        r_lo = (max(cu[s], b * bq) - b * bq) * group
-        r_hi = (min(cu[s + 1], (b + 1) * bq) - b * bq) * group
-        runs[0 if narrow < rows and r_lo // narrow == (r_hi - 1) // narrow else 1] += 1
-    trips = (
-        {"hot_iterations": float(runs[1])}
-        if narrow >= rows
-        else {"branch_runs": [float(r) for r in runs]}
+    trips = ours.paged_trips(
+        T.path_runs(items, q_lens, block_q=bq, group=group, narrow=narrow)  # head-major: no pairs
     )
     stream = bool(T.streams_page_table(max_seqs, PAGES_PER_SEQ, cfg))
     key = (bq, cfg.pages_per_block, stream)
@@ -505,7 +496,9 @@ def _compile(side: Side, generation) -> dict:
         "compiled_at": side.args,
         "compile_seconds": round(time.time() - t0, 1),
         "compiled_unix": int(time.time()),
-        "_model": schedule_model.work_model_inputs(kernel, xla),
+        "_model": schedule_model.work_model_inputs(
+            kernel, xla, nested_paths=side.op in schedule_model.NESTED_PATHS
+        ),
         "_program": info["program"],
         "_source": info["source_hash"],
     }
@@ -659,8 +652,9 @@ def _fit_trips(trips: dict, model: dict) -> dict:
         )
     if "branch_runs" in trips and paths != len(trips["branch_runs"]):
         return {"hot_iterations": float(sum(trips["branch_runs"]))}
-    if "branch_runs" not in trips and paths == 2 and "hot_iterations" in trips:
-        return {"branch_runs": [0.0, trips["hot_iterations"]]}  # every busy step: whole block
+    if "branch_runs" not in trips and paths >= 2 and "hot_iterations" in trips:
+        # every busy step: the whole block, the last path
+        return {"branch_runs": [0.0] * (paths - 1) + [trips["hot_iterations"]]}
     return trips
 
 

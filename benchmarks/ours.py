@@ -165,6 +165,15 @@ def _window_size(shape):
     return (shape.window - 1, 0) if shape.window is not None else (-1, -1)
 
 
+def paged_trips(runs: dict) -> dict:
+    """scheduled_from_work's trip counts from the paged kernel's busy steps per compute path
+    (tiling.path_runs, program order): per-path runs where it compiles several paths, else the
+    one path's hot iterations."""
+    if len(runs) == 1:
+        return {"hot_iterations": float(sum(runs.values()))}
+    return {"branch_runs": [float(r) for r in runs.values()]}
+
+
 def flash_branch_pushes(cost) -> dict | None:
     """`branch_pushes` of a flash forward call from its KernelCost: its unmasked tiles' MXU
     pushes (interior path) and its masked tiles' (edge walk)."""
@@ -340,10 +349,11 @@ class PagedAttention(Adapter):
         )
 
     def schedule_trips(self, shape, generation):
-        """Steps per compute path, from the kernel's own work list: an item whose rows sit in
-        one narrow slice of its q block (a decode token's G heads) takes the narrow path, any
-        other item with pages the whole-q-block path (kernel.py's two `compute` calls, in that
-        program order). Empty items and the steps past the list take neither."""
+        """Steps per compute path, from the kernel's own work list (tiling.path_runs): an item
+        whose rows sit in one narrow slice of its q block (a decode token's G heads) takes the
+        narrow path, in its compact pair form where that is compiled and the item holds at most
+        half the slice; any other item with pages the whole-q-block path (tiling.compute_paths
+        gives the program order). Empty items and the steps past the list take none."""
         T = self.mod.tiling
         q_lens = [q for q, _ in shape.seqs]
         kv_lens = [kv for _, kv in shape.seqs]
@@ -363,19 +373,12 @@ class PagedAttention(Adapter):
             sliding_window=shape.window,
             causal=True,
         )
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        runs = [0, 0]  # [narrow path, whole-q-block path]
-        for b, s, _, npages in items:
-            if npages == 0:
-                continue
-            runs[
-                T.compute_path(
-                    int(cu[s]), int(cu[s + 1]), b, block_q=bq, group=group, narrow=narrow
-                )
-            ] += 1
-        if narrow >= rows:  # no narrow path compiled: every busy step runs the one path
-            return {"hot_iterations": float(runs[1])}
-        return {"branch_runs": [float(r) for r in runs]}
+        compact = T.compact_pairs(
+            shape.cache_dtype, shape.kv_heads, shape.layout == "token_major", group, narrow
+        )
+        return paged_trips(
+            T.path_runs(items, q_lens, block_q=bq, group=group, narrow=narrow, compact=compact)
+        )
 
     def _fn(self, shape, generation, tiles=None):
         kern = self.mod.kernel

@@ -52,7 +52,7 @@ def step_parts(sched) -> dict:
 
     grid = sched.grid_loop()
     regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
-    paths = schedule_model._mxu_branches(sched, regions) or regions
+    paths = schedule_model._mxu_branches(sched, regions, nested=True) or regions
     out = []
     for r in paths:
         seg = sched.region_segment(r)

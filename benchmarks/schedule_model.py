@@ -76,15 +76,35 @@ class Machine:
         return self.work_seconds(bundles, dma_bytes, mxu_flops) + self.step_overhead_s
 
 
-def _mxu_branches(sched: Schedule, regions) -> list:
+def _mxu_branches(sched: Schedule, regions, nested: bool = False) -> list:
     """The alternative MXU paths of a grid step, in program order: descend from the step's
     MXU regions while a single region holds all the MXU work (a `pl.when(valid)` wrapper); the
     first level where the work splits over several sibling regions is the set of paths one step
     chooses from (e.g. the paged kernel's narrow decode path and its whole-q-block path). Empty
-    when the MXU work never splits."""
+    when the MXU work never splits.
+
+    `nested`: a path that only dispatches, all of its MXU work split over sub-regions again, is
+    replaced by those sub-paths (the paged kernel's narrow path choosing the compact or the
+    stacked form of its KV-head pair path). The schedule cannot tell alternatives from regions
+    that run one after another (flash's paths hold sequential sub-tile regions), so the family
+    that nests its paths asks for it (NESTED_PATHS)."""
     while len(regions) == 1:
         regions = [c for c in regions[0].children if sched.region_segment(c).mxu_pushes]
-    return regions if len(regions) > 1 else []
+    if len(regions) < 2:
+        return []
+    if not nested:
+        return regions
+    out = []
+    for r in regions:
+        sub = _mxu_branches(sched, [r], nested=True)
+        pushes = sched.region_segment(r).mxu_pushes
+        split = sub and sum(sched.region_segment(c).mxu_pushes for c in sub) == pushes
+        out.extend(sub if split else [r])
+    return out
+
+
+# The kernel families (ours) whose alternative compute paths nest (`_mxu_branches`).
+NESTED_PATHS = frozenset({"paged_attention"})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -204,8 +224,11 @@ def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
     return None
 
 
-def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
-    """What `scheduled_from_work` needs of a compiled schedule, as plain numbers (cacheable)."""
+def work_model_inputs(
+    sched: Schedule, xla: Sequence[Schedule] = (), nested_paths: bool = False
+) -> dict:
+    """What `scheduled_from_work` needs of a compiled schedule, as plain numbers (cacheable).
+    `nested_paths`: the kernel's alternative paths nest (`_mxu_branches`; NESTED_PATHS)."""
     grid, hot = sched.grid_loop(), sched.hot_loop()
     out = {
         "outside_bundles": len(sched.bundles) - (grid.bundles if grid else 0),
@@ -223,7 +246,7 @@ def work_model_inputs(sched: Schedule, xla: Sequence[Schedule] = ()) -> dict:
         regions=_region_rows(sched, grid),
         mxu_branches=[
             [r.bundles, sched.region_segment(r).mxu_pushes]
-            for r in _mxu_branches(sched, mxu_regions)
+            for r in _mxu_branches(sched, mxu_regions, nested=nested_paths)
         ],
     )
     if hot is grid:

@@ -311,7 +311,9 @@ def read_schedule(
             hlo.unlink()
         # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
         # when the closed forms change without compiling again.
-        entry["_model"] = schedule_model.work_model_inputs(kernel, xla)
+        entry["_model"] = schedule_model.work_model_inputs(
+            kernel, xla, nested_paths=impl == "ours" and kind in schedule_model.NESTED_PATHS
+        )
     entry["_program"] = program
     # A compile that ran out of time says nothing about the program: not cached. Nor does a
     # refresh that failed replace a compiled entry the cache holds for the row.

@@ -584,6 +584,30 @@ def test_token_major_bf16_head_pairs_keep_heads_apart():
     assert not out[3:].any()
 
 
+@pytest.mark.parametrize("hkv, hq", [(2, 8), (4, 16)])
+def test_token_major_bf16_compact_and_stacked_pairs(hkv, hq):
+    """The pair path's two forms in one q block (G = 4, 16 narrow rows): items of at most 8 rows
+    (a decode token's 4 rows, a 2-token chunk's 8) take the compact form, where head 2m + 1's
+    rows ride in the rows the item does not own; a 3-token chunk's 12 rows take the stacked
+    form. Every sequence against the f32 reference, windowed and soft-capped, with sinks."""
+    rng = np.random.default_rng(hkv)
+    b = make_token_major(
+        rng, [1, 3, 1, 2], [37, 70, 9, 48], dtype=jax.numpy.bfloat16, hkv=hkv, hq=hq
+    )
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    args = (b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    caches = [reference.write_kv_token_major_ref(b[n], b["new_" + n], *args) for n in ("k", "v")]
+    kw = dict(sliding_window=60, soft_cap=25.0, sinks=sinks)
+    out = kernel.paged_attention_token_major(
+        b["q"], *[jax.numpy.asarray(c) for c in caches], *args, interpret=True, **kw
+    )
+    out = np.asarray(out.astype(np.float32))
+    ref = reference.paged_attention_token_major_ref(b["q"], *caches, *args, **kw)
+    n = int(b["cu"][-1])
+    np.testing.assert_allclose(out[:n], ref[:n], atol=3e-2, rtol=3e-2)
+    assert not out[n:].any()
+
+
 def test_token_major_rejects_unpackable_heads():
     b = make_token_major(np.random.default_rng(0), [1], [3], dtype=jax.numpy.bfloat16, hkv=3, hq=3)
     with pytest.raises(ValueError, match="even number of KV heads"):
@@ -911,16 +935,35 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
 
 
 def test_compute_path_rule_shared_by_cost_model_and_benchmarks():
-    """One helper (schedule.compute_path) decides which compute path an item takes, for the cost
-    model's issued MXU FLOPs and the benchmarks' per-path step counts (kernel.py's traced twin
-    compares the same row slices)."""
+    """One helper (schedule.compute_path, summed by path_runs) decides which compute path an item
+    takes, for the cost model's issued MXU FLOPs and unit counts and the benchmarks' per-path
+    step counts (kernel.py's traced twin compares the same row slices and row counts)."""
     path = tiling.compute_path
     # G = 4 rows per token, 64-token q blocks (256 rows), 16-row narrow slices.
-    assert path(5, 6, 0, block_q=64, group=4, narrow=16) == 0  # one decode token: rows 20..23
-    assert path(68, 72, 1, block_q=64, group=4, narrow=16) == 0  # 4 tokens, one slice
-    assert path(3, 5, 0, block_q=64, group=4, narrow=16) == 1  # rows 12..19 cross a slice edge
-    assert path(0, 200, 1, block_q=64, group=4, narrow=16) == 1  # a prefill's whole block
-    assert path(0, 1, 0, block_q=4, group=4, narrow=16) == 1  # no narrow path compiled
+    kw = dict(block_q=64, group=4, narrow=16)
+    assert path(5, 6, 0, **kw) == "narrow"  # one decode token: rows 20..23
+    assert path(68, 72, 1, **kw) == "narrow"  # 4 tokens, one slice
+    assert path(3, 5, 0, **kw) == "whole"  # rows 12..19 cross a slice edge
+    assert path(0, 200, 1, **kw) == "whole"  # a prefill's whole block
+    assert path(0, 1, 0, block_q=4, group=4, narrow=16) == "narrow"  # the narrow code only
+    # Where the pair path compiles its compact form: items of at most 8 of the 16 rows.
+    assert path(5, 6, 0, compact=True, **kw) == "compact"  # a decode token's 4 rows
+    assert path(68, 70, 1, compact=True, **kw) == "compact"  # 2 tokens: 8 rows
+    assert path(68, 71, 1, compact=True, **kw) == "narrow"  # 3 tokens: 12 rows, stacked form
+    assert path(3, 5, 0, compact=True, **kw) == "whole"
+    assert tiling.compute_paths(rows=256, narrow=16, compact=True) == ("compact", "narrow", "whole")
+    assert tiling.compute_paths(rows=16, narrow=16) == ("narrow",)
+    # compact is compiled for paired 16-bit token-major heads whose token fills <= half a slice
+    bf16 = jax.numpy.bfloat16
+    assert tiling.compact_pairs(bf16, 8, True, 4, 16)
+    assert not tiling.compact_pairs(bf16, 8, True, 16, 16)  # G = 16: a token fills the slice
+    assert not tiling.compact_pairs(bf16, 8, False, 4, 16)  # head-major: no pairs
+    assert not tiling.compact_pairs(jax.numpy.int8, 8, True, 4, 16)
+    runs = tiling.path_runs(
+        [(0, 0, 0, 2), (0, 1, 0, 1), (0, 2, 0, 3), (0, 3, 0, 0)], [1, 3, 12, 1],
+        compact=True, **kw,
+    )  # fmt: skip
+    assert runs == {"compact": 1, "narrow": 1, "whole": 1}  # the empty item takes none
     # The cost model charges a decode batch narrow rows only, whole blocks to the prefill.
     kw = dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, pages_per_seq=P)
     cfg = tiling.PagedAttentionConfig(block_q=32, pages_per_block=2)
@@ -990,6 +1033,27 @@ def test_decode_unit_model_within_tolerance_of_paged_dumps():
         assert model == pytest.approx(p["model_busy_step_bundles"], abs=1.0), p["shape"]
         err = model / p["dump_busy_step_bundles"] - 1
         assert abs(err) <= tol, (p["generation"], p["shape"], p["tiles"], err)
+    # The bf16 token-major dumps hold both forms of the pair path: the decode items' compact form
+    # (above) and the stacked form 2-4 token chunks take, held to the same tolerance per tile.
+    pairs = [p for p in points if "dump_stacked_path_bundles" in p]
+    assert len(pairs) == 6 and {p["generation"] for p in pairs} == {"v5e", "v6e", "tpu7x"}
+    for p in pairs:
+        gen, pr = tiling.GENERATIONS[p["generation"]], p["problem"]
+        units = tiling.item_units(
+            gen,
+            rows=tiling.narrow_rows(pr["group"], p["tiles"]["block_q"] * pr["group"]),
+            kv_tokens=p["tiles"]["pages_per_block"] * pr["page_size"],
+            num_kv_heads=pr["num_kv_heads"],
+            head_dim=pr["head_dim"],
+            kv_dtype=pr["kv_dtype"],
+            token_major=True,
+            compact=False,
+        )
+        stacked = tiling._generations.tile_bundles(gen, tiles=1, **units)
+        assert stacked == pytest.approx(p["model_stacked_tile_bundles"], abs=1.0)
+        err = stacked / p["dump_stacked_path_bundles"] - 1
+        assert abs(err) <= tol, (p["generation"], p["tiles"], "stacked", err)
+        assert p["dump_path_bundles"] < p["dump_stacked_path_bundles"]  # compact is cheaper
 
 
 def test_decode_cost_ranks_kv_blocks_by_unit_counts():

@@ -219,6 +219,10 @@ def _paged_kernel(
     # pair with nothing unpacked (compute_head_pairs). Interpreters without ref bitcasts take the
     # per-head strided loads.
     pair_heads = unpack_u32 and tiling.pair_heads(bufs[0].dtype, num_kv_heads, token_major)
+    # Items of at most narrow / 2 rows (a decode token's G rows) take the pair path's compact form.
+    compact_pairs = pair_heads and tiling.compact_pairs(
+        bufs[0].dtype, num_kv_heads, token_major, group, narrow
+    )
 
     i = pl.program_id(0)
     nitems = nitems_ref[0]
@@ -465,7 +469,20 @@ def _paged_kernel(
 
     def compute(r0, nr: int):
         if nr == narrow and pair_heads:
-            return compute_head_pairs(r0, nr)
+            if not compact_pairs:
+                return compute_head_pairs(r0, nr, compact=False)
+
+            # Both pair paths are compiled; an item of at most nr / 2 rows (decode) takes the
+            # compact one.
+            @pl.when(r_hi - r_lo <= nr // 2)
+            def _():
+                compute_head_pairs(r0, nr, compact=True)
+
+            @pl.when(r_hi - r_lo > nr // 2)
+            def _():
+                compute_head_pairs(r0, nr, compact=False)
+
+            return
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
         col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
         mask = item_mask(row, col)
@@ -538,25 +555,38 @@ def _paged_kernel(
             for h in range(num_kv_heads):
                 update(h, *scores(h))
 
-    def compute_head_pairs(r0, nr: int):
+    def compute_head_pairs(r0, nr: int, compact: bool):
         """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
         of the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
         [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
         them, nothing unpacked (the per-head path moved every word's half to an f32 word and
-        packed it back: 2 of every 3 VALU ops of a decode step). The pair's q rows are stacked,
-        [2 * nr, D] (head 2m, then head 2m + 1), against all 2 * kv_tok rows; a score is kept
-        where the key's head (column parity) is the row's head. In decode the narrow rows are
-        mostly other sequences' rows, so the stacked softmax is the two heads' own softmax
-        twice over, cheaper than the unpacking it replaces."""
-        shape = (2 * nr, 2 * kv_tok)
-        stacked_row = lax.broadcasted_iota(jnp.int32, shape, 0)
+        packed it back: 2 of every 3 VALU ops of a decode step). Every q row meets all 2 * kv_tok
+        key rows; a score is kept where the key's head (column parity) is the row's head.
+
+        Which q rows go to the MXU. Stacked (`compact=False`): the pair's rows, [2 * nr, D]
+        (head 2m's nr rows, then head 2m + 1's). Compact (`compact=True`, an item holding at most
+        nr / 2 of the rows, as a decode token of G <= 8 heads does): one [nr, D] block, the
+        item's own rows of head 2m in place and head 2m + 1's row r in row r +- nr / 2, a row the
+        item does not own. The other rows are other sequences' tokens whose scores would be
+        dropped anyway, so the compact block does the same work on half the score vregs. The
+        rotation by nr / 2 is a swap of two f32 vreg rows (nr = 16); rows that are neither are
+        computed and never stored."""
+        half = nr // 2
+        lhs_rows = nr if compact else 2 * nr
+        shape = (lhs_rows, 2 * kv_tok)
+        row = lax.broadcasted_iota(jnp.int32, shape, 0)
         col = lax.broadcasted_iota(jnp.int32, shape, 1)
-        row_head = stacked_row >= nr  # the row's head of the pair: 0 or 1
+        if compact:
+            own = own_rows(r0, nr)
+            row_head = jnp.logical_not(own)  # not the item's: head 2m + 1's row r +- nr / 2
+            q_row = r0 + jnp.where(own, row, jnp.where(row < half, row + half, row - half))
+        else:
+            own = own_rows(r0, nr, copies=2)
+            row_head = row >= nr  # the row's head of the pair: 0 or 1
+            q_row = r0 + jnp.where(row_head, row - nr, row)
         # Column 2t + k is key t of head k: the per-head mask on (row, t), where the heads match.
-        q_row = r0 + jnp.where(row_head, stacked_row - nr, stacked_row)
         keep = item_mask(q_row, col >> 1)
         keep &= (col & 1) == row_head.astype(jnp.int32)
-        own = own_rows(r0, nr, copies=2)
         # Dropped scores become -inf, not NEG: the running max starts at NEG (or a sink logit),
         # so it stays finite and a dropped score's exp is exactly 0 with no second select (a row
         # with no kept score keeps m, l and acc: alpha = 1, p = 0). A select, not an additive
@@ -577,13 +607,30 @@ def _paged_kernel(
                 for a in range(2)
             )
 
-        def stacked(ref, m):
-            return jnp.concatenate([ref[2 * m, rs, :], ref[2 * m + 1, rs, :]], axis=0)
+        def swap_halves(x):
+            return jnp.concatenate([x[half:], x[:half]], axis=0)
+
+        def load(ref, m):
+            """(the pair's rows of `ref` as the LHS lays them out, both heads' rows as read)."""
+            x0, x1 = ref[2 * m, rs, :], ref[2 * m + 1, rs, :]
+            if not compact:
+                return jnp.concatenate([x0, x1], axis=0), (x0, x1)
+            # 16-bit q: the row swap in f32, where it moves whole vregs.
+            y = jnp.where(own, x0.astype(jnp.float32), swap_halves(x1.astype(jnp.float32)))
+            return y.astype(x0.dtype), (x0, x1)
+
+        def store(ref, m, x, read):
+            if compact:
+                ref[2 * m, rs, :] = jnp.where(own, x, read[0])
+                ref[2 * m + 1, rs, :] = jnp.where(own, swap_halves(x), read[1])
+            else:
+                for k in range(2):
+                    ref[2 * m + k, rs, :] = x[k * nr : (k + 1) * nr]
 
         def scores(m):
             k, v = pair_kv(m)
             s = jax.lax.dot_general(
-                stacked(q_ref, m), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                load(q_ref, m)[0], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
             if soft_cap is not None:
                 s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log2e)
@@ -592,8 +639,10 @@ def _paged_kernel(
             return jnp.where(keep, s, -jnp.inf), v
 
         def update(m, s, v):
-            m_prev = stacked(m_ref, m) * log2e
-            l_prev = stacked(l_ref, m)
+            m_prev, m_read = load(m_ref, m)
+            l_prev, l_read = load(l_ref, m)
+            acc_prev, acc_read = load(acc_ref, m)
+            m_prev = m_prev * log2e
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
             alpha = jnp.exp2(m_prev - m_new)
             p = jnp.exp2(s - m_new)
@@ -601,14 +650,12 @@ def _paged_kernel(
             pv = jax.lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
-            acc_prev = stacked(acc_ref, m)
-            acc_new = jnp.where(own, alpha * acc_prev + pv, acc_prev)
-            m_new = m_new * (1.0 / log2e)
-            for k in range(2):
-                half = slice(k * nr, (k + 1) * nr)
-                m_ref[2 * m + k, rs, :] = m_new[half]
-                l_ref[2 * m + k, rs, :] = l_new[half]
-                acc_ref[2 * m + k, rs, :] = acc_new[half]
+            acc_new = alpha * acc_prev + pv
+            if not compact:  # the compact store selects the own rows itself
+                acc_new = jnp.where(own, acc_new, acc_prev)
+            store(m_ref, m, m_new * (1.0 / log2e), m_read)
+            store(l_ref, m, l_new, l_read)
+            store(acc_ref, m, acc_new, acc_read)
 
         # As the per-head path: pair m + 1's key push and score matmul are traced before pair
         # m's probability matmul, so they fill the MXUs while pair m's softmax runs.

@@ -124,19 +124,51 @@ def build_work_list(
     return work, total.astype(xp.int32)
 
 
+def compute_paths(*, rows: int, narrow: int, compact: bool = False) -> tuple[str, ...]:
+    """The compute paths the kernel compiles, in program order (kernel.py `compute`): "compact",
+    the KV-head pair path's compact form for items of at most narrow / 2 rows (compiled where
+    tiling.compact_pairs holds); "narrow", the `narrow`-row slice holding a decode token's G heads
+    (the pair path's stacked form where heads are paired); "whole", the q block's `rows` rows
+    (not compiled when narrow >= rows: the narrow code then takes every item)."""
+    return ("compact",) * bool(compact) + ("narrow",) + ("whole",) * (narrow < rows)
+
+
 def compute_path(
-    q_start: int, q_end: int, q_block: int, *, block_q: int, group: int, narrow: int
-) -> int:
-    """Which compute path the kernel runs an item on (kernel.py's two `compute` calls, in that
-    program order): 0 = the narrow path, when the sequence's rows of the q block (tokens
-    [q_start, q_end) of the packed batch, `group` rows each) sit in one `narrow`-row slice (a
-    decode token's G heads), 1 = the whole q block. With narrow >= block_q * group the kernel
-    compiles no narrow path and every item takes the whole block."""
+    q_start: int,
+    q_end: int,
+    q_block: int,
+    *,
+    block_q: int,
+    group: int,
+    narrow: int,
+    compact: bool = False,
+) -> str:
+    """The compute path (`compute_paths`) an item of q block `q_block` runs for the sequence
+    whose tokens are [q_start, q_end) of the packed batch, `group` rows each: "whole" unless
+    its rows sit in one `narrow`-row slice; there "compact" when the compact pair form is
+    compiled and the item holds at most narrow / 2 rows, else "narrow"."""
     rows = block_q * group
     b0 = q_block * block_q
     r_lo = (max(q_start, b0) - b0) * group
     r_hi = (min(q_end, b0 + block_q) - b0) * group
-    return 0 if narrow < rows and r_lo // narrow == (r_hi - 1) // narrow else 1
+    if narrow < rows and r_lo // narrow != (r_hi - 1) // narrow:
+        return "whole"
+    return "compact" if compact and r_hi - r_lo <= narrow // 2 else "narrow"
+
+
+def path_runs(
+    items, q_lens, *, block_q: int, group: int, narrow: int, compact: bool = False
+) -> dict[str, int]:
+    """Busy items (those with pages) per compute path, keyed in `compute_paths` order: the
+    steps that take each path, from `host_work_list`'s items for the sequences' `q_lens`."""
+    cu = np.concatenate([[0], np.cumsum(np.asarray(q_lens, np.int64).reshape(-1))])
+    rows = block_q * group
+    runs = dict.fromkeys(compute_paths(rows=rows, narrow=narrow, compact=compact), 0)
+    for b, s, _, npages in items:
+        if npages:
+            kw = dict(block_q=block_q, group=group, narrow=narrow, compact=compact)
+            runs[compute_path(int(cu[s]), int(cu[s + 1]), b, **kw)] += 1
+    return runs
 
 
 def host_work_list(

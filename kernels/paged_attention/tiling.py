@@ -29,7 +29,14 @@ import math
 import numpy as np
 
 from . import tpu_generations as _generations
-from .schedule import LAYOUT, compute_path, host_work_list, max_items_bound
+from .schedule import (
+    LAYOUT,
+    compute_path,
+    compute_paths,
+    host_work_list,
+    max_items_bound,
+    path_runs,
+)
 from .tpu_generations import GENERATIONS, KernelCost, TpuGeneration, get_generation
 
 MiB = 1 << 20
@@ -289,6 +296,10 @@ def choose_config(
 #   VALU-bound by the model). The path is load-bound as the head-major one, with
 #   PAIR_LOAD_FACTOR times the K and V vregs (strided word loads, the stacked scores spilled),
 #   fitted on the bf16 token-major points (8 and 4 pages, every generation: within 5.2%);
+#   an item of at most half the narrow rows (a decode token) takes the compact form instead
+#   (`compact_pairs`: head 2m + 1's rows ride in the rows the item does not own), half the score
+#   vregs and nothing spilled: COMPACT_PAIR_LOAD_FACTOR, fitted on the same points' compact
+#   regions (each dump holds both forms; the stacked one still checks PAIR_LOAD_FACTOR);
 # - the grid step's own code outside the compute paths (the page DMA issue and wait loops with
 #   their partial-page chunk branches, the stale-value zeroing of one page slot, the q block's
 #   init and write-back) goes through the shared step terms (step_vregs): the vregs it moves plus
@@ -308,9 +319,10 @@ PAGED_UNPACK_VALU = {
 PAGED_VALU_ISSUE = {"v5e": 1.15, "v6e": 1.0, "tpu7x": 1.045}
 PAIR_VALU_PER_SCORE_VREG = 11.7
 PAIR_LOAD_FACTOR = 1.3
+COMPACT_PAIR_LOAD_FACTOR = 0.94
 PAGED_STEP_STREAM_VREGS = {"v5e": 155.0, "v6e": 275.0, "tpu7x": 200.0}
-# The model's error on a busy decode step (max |error| over "paged_points": 5.2% on TPU7x's 4-page
-# pair point, 4.3% elsewhere): candidates within it of the fastest are ties, ordered by the
+# The model's error on a busy decode step (max |error| over "paged_points": 4.9%, v6e's 8-page
+# head-major point): candidates within it of the fastest are ties, ordered by the
 # preference list.
 RANKING_TOLERANCE = 0.05
 
@@ -334,6 +346,14 @@ def pair_heads(kv_dtype, num_kv_heads: int, token_major: bool) -> bool:
     return bool(token_major) and _itemsize(kv_dtype) == 2 and num_kv_heads % 2 == 0
 
 
+def compact_pairs(kv_dtype, num_kv_heads: int, token_major: bool, group: int, narrow: int) -> bool:
+    """Whether the pair path (`pair_heads`) also compiles its compact form (kernel.py
+    compute_head_pairs): an item of one decode token holds `group` of the `narrow` rows, and the
+    compact form takes items of at most narrow / 2 rows (the pair's second head rides in the rows
+    the item does not own)."""
+    return pair_heads(kv_dtype, num_kv_heads, token_major) and 2 * group <= narrow
+
+
 def item_units(
     gen: TpuGeneration,
     *,
@@ -345,6 +365,7 @@ def item_units(
     token_major: bool = False,
     token_scales: bool = False,
     narrow: bool = True,
+    compact: bool = False,
 ) -> dict:
     """What one work item's compute (`rows` q rows of each KV head against `kv_tokens` keys, the
     kernel's `compute(r0, rows)`) pushes through each unit, summed over its KV heads: MXU
@@ -352,17 +373,19 @@ def item_units(
     VALU ops (softmax per score vreg, unpacking per f32 vreg of keys and values, the
     per-key scales' multiplies), and VMEM loads (the cache's K and V vregs and the per-head
     loads, times the generation's PAGED_LOAD_ISSUE). `narrow`: the item takes the narrow path
-    (`pair_heads` applies there)."""
+    (`pair_heads` applies there); `compact`: the pair path's compact form (`compact_pairs`)."""
     dp = _round_up(head_dim, 128)
     kv_f32_vregs = 2 * kv_tokens * dp / 1024
     kv_loaded = 2 * kv_tokens * dp * _itemsize(kv_dtype) / 4096
     if narrow and pair_heads(kv_dtype, num_kv_heads, token_major):
-        # Per head: half of a pair's [2 rows, 2 kv_tokens] scores and of its matmuls.
-        score_vregs = 2 * rows * kv_tokens / 1024
+        # Per head: half of a pair's scores and of its matmuls, [2 rows, 2 kv_tokens] stacked,
+        # [rows, 2 kv_tokens] compact.
+        lhs_rows = rows if compact else 2 * rows
+        score_vregs = lhs_rows * kv_tokens / 1024
         valu = PAIR_VALU_PER_SCORE_VREG * score_vregs
-        pushes = _generations.mxu_pushes(gen, 2 * rows, dp, 2 * kv_tokens) / 2
-        pushes += _generations.mxu_pushes(gen, 2 * rows, 2 * kv_tokens, dp) / 2
-        kv_loaded *= PAIR_LOAD_FACTOR
+        pushes = _generations.mxu_pushes(gen, lhs_rows, dp, 2 * kv_tokens) / 2
+        pushes += _generations.mxu_pushes(gen, lhs_rows, 2 * kv_tokens, dp) / 2
+        kv_loaded *= COMPACT_PAIR_LOAD_FACTOR if compact else PAIR_LOAD_FACTOR
     else:
         score_vregs = rows * kv_tokens / 1024
         unpack = PAGED_UNPACK_VALU[_variant(kv_dtype, token_major)]
@@ -409,17 +432,28 @@ def step_vregs(
 
 
 def _busy_step_units(
-    gen, *, rows, q_block_rows, kv_tokens, page_size, num_kv_heads, head_dim, **variant
+    gen,
+    *,
+    rows,
+    q_block_rows,
+    kv_tokens,
+    page_size,
+    num_kv_heads,
+    head_dim,
+    compact=False,
+    **variant,
 ) -> tuple[dict, float]:
     """(item_units of one decode item's compute path on `rows` rows over `kv_tokens` keys, the
     step_vregs of its grid step's own code for a q block of `q_block_rows` rows): one busy
-    decode step as the ranking charges it. `variant`: kv_dtype, token_major, token_scales."""
+    decode step as the ranking charges it. `variant`: kv_dtype, token_major, token_scales;
+    `compact`: the item takes the compact pair form."""
     units = item_units(
         gen,
         rows=rows,
         kv_tokens=kv_tokens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        compact=compact,
         **variant,
     )
     per_step = step_vregs(
@@ -453,17 +487,20 @@ def decode_step_bundles(
     the rest of the grid step."""
     if token_scales is None:
         token_scales = _itemsize(kv_dtype) == 1
+    nr = narrow_rows(group, block_q * group)
+    token_major = token_major or _itemsize(kv_dtype) == 1
     u, sv = _busy_step_units(
         gen,
-        rows=narrow_rows(group, block_q * group),
+        rows=nr,
         q_block_rows=block_q * group,
         kv_tokens=pages_per_block * page_size,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         kv_dtype=kv_dtype,
-        token_major=token_major or _itemsize(kv_dtype) == 1,
+        token_major=token_major,
         token_scales=token_scales,
+        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, nr),
     )
     return {
         "tile": _generations.tile_bundles(gen, tiles=1, **u),
@@ -493,7 +530,7 @@ def decode_cost(
     block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
     once, q read and o written once, the work list in SMEM, and per item the unit counts of the
     path a decode item takes (`item_units` on `narrow_rows` rows, or the whole q block when no
-    narrow path is compiled) over its KV block, and the step's own code (`step_vregs`). Larger
+    narrow path is compiled; the compact pair form where it is compiled) over its KV block, and the step's own code (`step_vregs`). Larger
     KV blocks amortise the per-item and per-step fixed bundles; block_q changes none of this
     and is left to the tie-break (larger q blocks re-read a prefill's KV fewer times, which
     this batch does not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
@@ -523,6 +560,7 @@ def decode_cost(
         kv_dtype=kv_dtype,
         token_major=token_major,
         token_scales=token_scales,
+        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, rows),
     )
     return KernelCost(
         useful_flops=int(useful),
@@ -680,39 +718,37 @@ def traffic(
         sliding_window=sliding_window if causal else None,
     )
     kv_size, q_size = _itemsize(kv_dtype), _itemsize(q_dtype)
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    mxu = 0
-    path_runs = [0, 0]  # busy items on the narrow path, on the whole-q-block path
-    for b, s, _start, npages in items:
-        if npages == 0:
-            continue
-        path = compute_path(int(cu[s]), int(cu[s + 1]), b, block_q=bq, group=group, narrow=nr)
-        path_runs[path] += 1
-        issued_rows = rows if path else nr
-        mxu += 2 * 2 * num_kv_heads * issued_rows * ppb * page_size * head_dim
-    # What the busy items' compute pushes through each unit (item_units per path) and the vregs
-    # their steps' own code moves (step_vregs): the shared ranking model's inputs.
     variant = dict(
         kv_dtype=kv_dtype,
         token_major=token_major or _itemsize(kv_dtype) == 1,
         token_scales=token_scales,
     )
+    compact = compact_pairs(kv_dtype, num_kv_heads, variant["token_major"], group, nr)
+    runs = path_runs(items, q_lens, block_q=bq, group=group, narrow=nr, compact=compact)
+    # Issued MXU FLOPs: a narrow item's nr rows per KV head, a whole-block item's rows.
+    mxu = sum(
+        n * 2 * 2 * num_kv_heads * (rows if path == "whole" else nr) * ppb * page_size * head_dim
+        for path, n in runs.items()
+    )
+    # What the busy items' compute pushes through each unit (item_units per path) and the vregs
+    # their steps' own code moves (step_vregs): the shared ranking model's inputs.
     units = {k: 0.0 for k in ("mxu_pushes", "eup_pushes", "valu_ops", "vmem_loads")}
-    for n, path_rows in zip(path_runs, (nr, rows)):
+    for path, n in runs.items():
         if n:
             u = item_units(
                 gen,
-                rows=path_rows,
+                rows=rows if path == "whole" else nr,
                 kv_tokens=ppb * page_size,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                narrow=path_rows == nr,
+                narrow=path != "whole",
+                compact=path == "compact",
                 **variant,
             )
             for k in units:
                 units[k] += n * u[k]
-    units["compute_tiles"] = sum(path_runs)
-    units["step_vregs"] = sum(path_runs) * step_vregs(
+    units["compute_tiles"] = sum(runs.values())
+    units["step_vregs"] = sum(runs.values()) * step_vregs(
         gen,
         rows=rows,
         page_size=page_size,
@@ -893,8 +929,11 @@ __all__ = [
     "PagedAttentionConfig",
     "choose_config",
     "choose_tiles",
+    "compact_pairs",
     "compute_path",
+    "compute_paths",
     "estimate_cost",
+    "path_runs",
     "max_items_bound",
     "traffic",
     "vmem_need_bytes",
