@@ -104,6 +104,18 @@ ANCHORS = {
         ),
         Anchor(
             "ragged_dot",
+            "anchor:megablox_tall",
+            "jax megablox gmm (512 x <=1024 x <=1024 tiles)",
+            anchors.gmm_cost,
+            anchors.gmm_call,
+            anchors.gmm_compile_args,
+            True,
+            _GMM_METHOD,
+            tiling=lambda s, small: anchors.gmm_tall_tiling(s),
+            named_only=True,  # the small shapes' 32 rows: the large tiles' row already
+        ),
+        Anchor(
+            "ragged_dot",
             "anchor:tokamax_gmm",
             "tokamax gmm (its published best tiles, else its own default)",
             anchors.tokamax_gmm_cost,

@@ -138,6 +138,9 @@ NAMED = {
         *_moe("qwen3_30b_a3b", 4096, 128, 8, 2048, 768),
         # Mixtral-8x7B: hidden 4096, intermediate 14336, 8 experts, top-2.
         *_moe("mixtral_8x7b", 4096, 8, 2, 4096, 14336),
+        # Training / long-prefill batches: 16384 tokens (131072 and 32768 expert rows).
+        *_moe("qwen3_30b_a3b", 16384, 128, 8, 2048, 768),
+        *_moe("mixtral_8x7b", 16384, 8, 2, 4096, 14336),
         # One projection alone (gate or up): the shape tokamax's published TPU timings cover.
         RaggedDotShape("mixtral_8x7b_gate_t4096", 4096, 8, 2, 4096, 14336),
         # DeepSeek-V3-like experts: hidden 7168, expert intermediate 2048, 256 routed experts,
