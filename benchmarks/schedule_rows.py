@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -215,16 +216,42 @@ def _load_cache(path: Path = CACHE) -> dict:
     return {}
 
 
-def _save_cache(cache: dict, path: Path = CACHE) -> None:
-    """Merge into the file as it is now (other processes may have added entries) and replace it
-    atomically."""
+def _save_cache(cache: dict, path: Path = CACHE, *, merge=lambda old, new: {**old, **new}) -> None:
+    """Merge `cache` into the file as it is now (other processes may have added entries) and
+    replace it atomically; `merge(entries on file, cache)` gives what is written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two writers must not drop each other's entries
-        merged = {**_load_cache(path), **cache}
+        merged = merge(_load_cache(path), cache)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
+
+
+def _current_entries(cache: dict) -> dict:
+    """The entries a lookup can still want: per row (kind, impl, shape, generation), the entry
+    under the row's current source key when the cache has one (older sources' entries of that
+    row were reused through it or are stale), else every entry of the row (their program
+    fingerprints may still match a lowering)."""
+    rows: dict[str, list[str]] = {}
+    for key in cache:
+        rows.setdefault(key.rsplit("|", 1)[0], []).append(key)
+    source = functools.cache(_source_hash)
+    kept = {}
+    for row, keys in rows.items():
+        kind, impl = row.split("|")[:2]
+        current = f"{row}|{source(impl, kind)}"
+        kept.update((k, cache[k]) for k in ([current] if current in cache else keys))
+    return kept
+
+
+def prune_cache(path: Path = CACHE) -> tuple[int, int]:
+    """Drop the entries a current-source entry of the same row supersedes (`_current_entries`):
+    every edit of a kernel's sources adds a key per row, so the file otherwise grows by a copy of
+    each row per edit. Returns (entries before, after)."""
+    before = len(_load_cache(path))
+    _save_cache({}, path, merge=lambda old, _new: _current_entries(old))
+    return before, len(_load_cache(path))
 
 
 def read_schedule(
@@ -389,11 +416,24 @@ def main(argv=None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("kind", help="ragged_dot, flash_attention or paged_attention")
-    p.add_argument("shape", help="a named benchmark shape of that family")
+    p.add_argument("kind", nargs="?", help="ragged_dot, flash_attention or paged_attention")
+    p.add_argument("shape", nargs="?", help="a named benchmark shape of that family")
     p.add_argument("--impl", nargs="+", default=["ours"], help="ours and/or anchor:NAME")
     p.add_argument("--generation", nargs="+", default=["v5e", "v6e", "tpu7x"])
+    p.add_argument(
+        "--prune",
+        action="store_true",
+        help="drop cache entries that current-source entries of their rows supersede "
+        "(prune_cache); run it after `run.py` has looked every row up",
+    )
     args = p.parse_args(argv)
+    if args.prune:
+        before, after = prune_cache()
+        print(f"schedule cache: {before} -> {after} entries")
+    if args.kind is None or args.shape is None:
+        if not args.prune:
+            p.error("kind and shape are required (or --prune)")
+        return
     for gen in args.generation:
         for impl in args.impl:
             t0 = time.time()

@@ -341,3 +341,31 @@ def test_tokamax_rows_without_a_cached_schedule_say_na(monkeypatch):
     cells = [c.strip() for c in line.split("|")]
     assert cells.count("n/a") == 6  # the scheduled and compile columns of three generations
     assert "| odd_rows | tokamax gmm" in md and "n/a: tokamax's gmm needs m divisible" in md
+
+
+def test_schedule_cache_prune_keeps_current_and_unmatched_rows(tmp_path):
+    """schedule_rows.prune_cache drops a row's entries under older source keys once the row has
+    an entry under its current key, and keeps every entry of a row that has none (a lowering may
+    still match their program fingerprints); the file is rewritten, not merged into."""
+    import schedule_rows
+
+    ours = schedule_rows._source_hash("ours", "paged_attention")
+    anchor = schedule_rows._source_hash("anchor:splash", "flash_attention")
+    row_a = "paged_attention|ours|some_shape|v6e"
+    row_b = "flash_attention|anchor:splash|other_shape|tpu7x"
+    cache = {
+        f"{row_a}|{ours}": {"bundles": 1},
+        f"{row_a}|0000000000000000": {"bundles": 2},
+        f"{row_b}|1111111111111111": {"bundles": 3},
+        f"{row_b}|2222222222222222": {"bundles": 4},
+        f"{row_b[:-5]}|v5e|{anchor}": {"bundles": 5},
+    }
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps(cache))
+    assert schedule_rows.prune_cache(path) == (5, 4)
+    kept = json.loads(path.read_text())
+    assert f"{row_a}|{ours}" in kept and f"{row_a}|0000000000000000" not in kept
+    assert {k for k in kept if k.startswith(row_b)} == {
+        f"{row_b}|1111111111111111",
+        f"{row_b}|2222222222222222",
+    }

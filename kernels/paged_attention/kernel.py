@@ -43,10 +43,12 @@ strided loads for 32-bit data only, so 16-bit slots are loaded as uint32 words (
 token per word) and 8-bit slots as words of four heads (a shift and mask per head; int8 by sign
 extension, e4m3 decoded with integer ops). On the narrow (decode) path a 16-bit slot's words are
 used as they are: bitcast, the words of heads 2m and 2m + 1 are [2 * kv_tok, D] keys with row
-2t + k = token t of head 2m + k, and the pair's stacked q rows meet both heads' keys in one
-matmul, a score kept where the key's head is the row's (compute_head_pairs); the whole-q-block
-path widens each head's half of a word to f32 by a shift. The rest of the schedule is the
-head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
+2t + k = token t of head 2m + k, and the pair's q rows meet both heads' keys in one matmul, a
+score kept where the key's head is the row's (compute_head_pairs). A decode token owns G <= 8 of
+the 16 narrow rows, so head 2m + 1's rows ride 8 rows away in the same 16-row block, in rows the
+item does not own (compact form); an item of more rows stacks the pair's rows, [32, D]. The
+whole-q-block path widens each head's half of a word to f32 by a shift. The rest of the schedule
+is the head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
 in the same call: one DMA per token and cache moves the token's contiguous [Hkv, D] row into its
 page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
 ([num_blocks, Hkv, block_size], one lane-aligned row per page, DMA'd with the page) that multiply
