@@ -164,9 +164,9 @@ def path_runs(
     cu = np.concatenate([[0], np.cumsum(np.asarray(q_lens, np.int64).reshape(-1))])
     rows = block_q * group
     runs = dict.fromkeys(compute_paths(rows=rows, narrow=narrow, compact=compact), 0)
+    kw = dict(block_q=block_q, group=group, narrow=narrow, compact=compact)
     for b, s, _, npages in items:
         if npages:
-            kw = dict(block_q=block_q, group=group, narrow=narrow, compact=compact)
             runs[compute_path(int(cu[s]), int(cu[s + 1]), b, **kw)] += 1
     return runs
 

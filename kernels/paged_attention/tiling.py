@@ -434,31 +434,35 @@ def step_vregs(
 def _busy_step_units(
     gen,
     *,
-    rows,
-    q_block_rows,
+    block_q,
+    group,
     kv_tokens,
     page_size,
     num_kv_heads,
     head_dim,
-    compact=False,
-    **variant,
+    kv_dtype,
+    token_major,
+    token_scales,
 ) -> tuple[dict, float]:
-    """(item_units of one decode item's compute path on `rows` rows over `kv_tokens` keys, the
-    step_vregs of its grid step's own code for a q block of `q_block_rows` rows): one busy
-    decode step as the ranking charges it. `variant`: kv_dtype, token_major, token_scales;
-    `compact`: the item takes the compact pair form."""
+    """(item_units of the compute path a decode item takes at these tiles, over `kv_tokens` keys:
+    its `narrow_rows`, in the compact pair form where that is compiled; the step_vregs of its grid
+    step's own code for the q block's block_q * group rows): one busy decode step as the ranking
+    charges it. 8-bit caches are token-major."""
+    rows = narrow_rows(group, block_q * group)
+    token_major = token_major or _itemsize(kv_dtype) == 1
+    variant = dict(kv_dtype=kv_dtype, token_major=token_major, token_scales=token_scales)
     units = item_units(
         gen,
         rows=rows,
         kv_tokens=kv_tokens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        compact=compact,
+        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, rows),
         **variant,
     )
     per_step = step_vregs(
         gen,
-        rows=q_block_rows,
+        rows=block_q * group,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -487,12 +491,10 @@ def decode_step_bundles(
     the rest of the grid step."""
     if token_scales is None:
         token_scales = _itemsize(kv_dtype) == 1
-    nr = narrow_rows(group, block_q * group)
-    token_major = token_major or _itemsize(kv_dtype) == 1
     u, sv = _busy_step_units(
         gen,
-        rows=nr,
-        q_block_rows=block_q * group,
+        block_q=block_q,
+        group=group,
         kv_tokens=pages_per_block * page_size,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
@@ -500,7 +502,6 @@ def decode_step_bundles(
         kv_dtype=kv_dtype,
         token_major=token_major,
         token_scales=token_scales,
-        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, nr),
     )
     return {
         "tile": _generations.tile_bundles(gen, tiles=1, **u),
@@ -529,14 +530,14 @@ def decode_cost(
     `pages_per_seq` context, the batch whose step count is largest. Each sequence is one (q
     block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
     once, q read and o written once, the work list in SMEM, and per item the unit counts of the
-    path a decode item takes (`item_units` on `narrow_rows` rows, or the whole q block when no
-    narrow path is compiled; the compact pair form where it is compiled) over its KV block, and the step's own code (`step_vregs`). Larger
-    KV blocks amortise the per-item and per-step fixed bundles; block_q changes none of this
-    and is left to the tie-break (larger q blocks re-read a prefill's KV fewer times, which
-    this batch does not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
+    path a decode item takes (`_busy_step_units`: `item_units` on `narrow_rows` rows, which are
+    the whole q block when no narrow path is compiled, in the compact pair form where that is
+    compiled) over its KV block, and the step's own code (`step_vregs`). Larger KV blocks
+    amortise the per-item and per-step fixed bundles; block_q changes none of this and is left
+    to the tie-break (larger q blocks re-read a prefill's KV fewer times, which this batch does
+    not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
     if token_scales is None:
         token_scales = _itemsize(kv_dtype) == 1
-    token_major = token_major or _itemsize(kv_dtype) == 1
     ppb = max(1, min(pages_per_block, pages_per_seq))
     per_seq = -(-pages_per_seq // ppb)
     steps = num_tokens * per_seq
@@ -551,8 +552,8 @@ def decode_cost(
     useful = 4 * num_tokens * group * kv_tokens * head_dim * num_kv_heads
     units, per_step = _busy_step_units(
         gen,
-        rows=rows,
-        q_block_rows=block_q * group,
+        block_q=block_q,
+        group=group,
         kv_tokens=ppb * page_size,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
@@ -560,7 +561,6 @@ def decode_cost(
         kv_dtype=kv_dtype,
         token_major=token_major,
         token_scales=token_scales,
-        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, rows),
     )
     return KernelCost(
         useful_flops=int(useful),
