@@ -387,6 +387,39 @@ def _brute_pairs(seqs, nq, nk, bq, bk, band):
     return out
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.sampled_from([1, 2, 4]),
+    bqc=st.sampled_from([8, 16, 32]),
+    bkc=st.sampled_from([8, 128, 256]),
+    t0=st.integers(-40, 80),
+    u0=st.integers(-40, 80),
+    seq=st.tuples(
+        st.integers(-20, 60),
+        st.integers(0, 60),
+        st.integers(-20, 60),
+        st.integers(0, 60),
+        st.integers(-30, 30),
+    ),
+    band=st.sampled_from([(None, 0), (None, None), (-20, 0), (-9, 4), (3, None)]),
+)
+def test_tile_masks_are_the_mask_rule(groups, bqc, bkc, t0, u0, seq, band):
+    """The interval masks of a q-major tile (forward, dq) and of a kv-major tile (dk/dv) both
+    equal the rule: t in [q_lo, q_hi), u in [k_lo, k_hi), lo <= u - t + off <= hi."""
+    q_lo, q_len, k_lo, k_len, off = seq
+    seq = (q_lo, q_lo + q_len, k_lo, k_lo + k_len, off)
+    big = K._UNBOUNDED
+    b = K.Band(-big if band[0] is None else band[0], big if band[1] is None else band[1])
+    t = np.tile(np.arange(bqc), groups)[:, None] + t0  # [G*bqc, 1]
+    u = np.arange(bkc)[None, :] + u0
+    d = u - t + off
+    want = (t >= seq[0]) & (t < seq[1]) & (u >= seq[2]) & (u < seq[3]) & (d >= b.lo) & (d <= b.hi)
+    q_major = np.asarray(K._tile_mask(groups, bqc, bkc, t0, u0, seq, b))
+    kv_major = np.asarray(K._tile_mask_t(groups, bqc, bkc, t0, u0, seq, b))
+    np.testing.assert_array_equal(q_major, want)
+    np.testing.assert_array_equal(kv_major, want.T)
+
+
 @pytest.mark.parametrize("kv_major", [False, True])
 @pytest.mark.parametrize(
     "causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)), (False, (9, 4))]
@@ -800,7 +833,7 @@ def test_backward_tile_model_matches_the_dumps():
     assert {p["pass"] for p in points} == set(T.BWD_PASSES)
     assert {p["generation"] for p in points} == {"v5e", "v6e", "tpu7x"}
     assert {p["role"] for p in points} == {"calibration", "held-out"}
-    assert 0 < T.BWD_RANKING_TOLERANCE <= 0.1
+    assert 0 < T.BWD_RANKING_TOLERANCE <= 0.11  # tiling.py says why not 0.1
     for p in points:
         u, model = _bwd_model_bundles(p)
         # the loop body holds a whole number of this tile's MXU pushes

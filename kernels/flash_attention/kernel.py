@@ -50,7 +50,11 @@ see it (the band mirrored), in transposed form (scores are [kv rows, q rows], so
 di = rowsum(do * o) arrive as lane rows, one [G, tile] slab per q tile); dq walks kv blocks for
 each q block (q-major list) and accumulates in VMEM: no per-kv-block dq is ever written to HBM.
 When dq of the whole sequence fits VMEM (`Tiles.fused_bwd`), the dk/dv kernel also accumulates
-it in a scratch that lives across the (batch, head)'s items and no dq pass runs.
+it in a scratch that lives across the (batch, head)'s items and no dq pass runs. The backward
+recomputes base-2 scores (one multiply per score, lse turned to base 2 once outside the
+kernels); the softmax scale is applied to dq and dk once, when they are written, not to every
+score. Masked tiles test each score against one interval per row (dq:
+the row's keys; dk/dv: the key's query tokens), two compares, as the forward does.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ from .work_list import COMPUTE, FIRST, LAST, VALID  # noqa: F401  (VALID: the sh
 
 # A finite "minus infinity": max/exp arithmetic on fully masked rows stays NaN-free.
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 # lse of a row that sees nothing: exp(s - BIG_LSE) is 0 for any finite score.
 BIG_LSE = 0.7 * float(np.finfo(np.float32).max)
 _UNBOUNDED = UNBOUNDED
@@ -92,18 +98,6 @@ _UNBOUNDED = UNBOUNDED
 
 def _seq_scalars(seq_ref, s, n_seq):
     return tuple(seq_ref[j * n_seq + s] for j in range(5))
-
-
-def _allowed(t, u, seq, band: Band):
-    """Elementwise mask for query tokens t and key tokens u (broadcastable int32 arrays)."""
-    q_lo, q_hi, k_lo, k_hi, off = seq
-    ok = (t >= q_lo) & (t < q_hi) & (u >= k_lo) & (u < k_hi)
-    d = u - t + off
-    if band.hi < _UNBOUNDED:
-        ok = ok & (d <= band.hi)
-    if band.lo > -_UNBOUNDED:
-        ok = ok & (d >= band.lo)
-    return ok
 
 
 def _inner_ranges(x0, n, x_seq, y_seq, off, band: Band, y_base, y_block, y_tile):
@@ -228,25 +222,12 @@ def _documents_meet(ranges_ref, shape, b, gq, gk):
 
 
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
-    """Mask of a q-major score tile [G*bqc, bkc]: rows stack G heads of the bqc query tokens from
-    t0 (the token is the row index mod bqc), columns are the keys from u0. `ids`: (q segment ids
-    as a column [bqc, 1], kv segment ids as a row [1, bkc])."""
-    shape = (groups * bqc, bkc)
-    t = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) & (bqc - 1)) + t0
-    u = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + u0
-    mask = _allowed(t, u, seq, band)
-    if ids is not None:
-        q_ids, kv_ids = ids
-        q_ids = jnp.concatenate([q_ids] * groups, axis=0) if groups > 1 else q_ids
-        mask = mask & (q_ids == kv_ids)
-    return mask
-
-
-def _fwd_tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
-    """`_tile_mask` as two compares per score: each row's allowed key columns form one interval
-    [lo, hi] (its sequence's keys within the band; empty for a row outside its sequence), worked
-    out on lane-replicated [rows, 128] columns (1/bkc-th of the tile's elements) and then
-    compared with the column index."""
+    """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass): rows stack G heads of the
+    bqc query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0.
+    Two compares per score: each row's allowed key columns form one interval [lo, hi] (its
+    sequence's keys within the band; empty for a row outside its sequence), worked out on
+    lane-replicated [rows, 128] columns (1/bkc-th of the tile's elements) and then compared with
+    the column index. `ids`: (q segment ids as a column [bqc, 1], kv ids as a row [1, bkc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
     rows = groups * bqc
     t = (jax.lax.broadcasted_iota(jnp.int32, (rows, NUM_LANES), 0) & (bqc - 1)) + t0
@@ -263,6 +244,32 @@ def _fwd_tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
         q_ids, kv_ids = ids
         q_ids = jnp.concatenate([q_ids] * groups, axis=0) if groups > 1 else q_ids
         mask = mask & (q_ids == kv_ids)
+    return mask
+
+
+def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
+    """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc]: rows are the
+    keys from u0, columns G heads of the bqc query tokens from t0 (the token is the column index
+    mod bqc). Each key row's allowed query tokens form one interval (the band mirrored; empty for
+    a key outside its sequence), so again two compares per score. `ids`: (kv segment ids as a
+    column [bkc, 1], q ids as a row [1, bqc])."""
+    q_lo, q_hi, k_lo, k_hi, off = seq
+    cols = groups * bqc
+    u = jax.lax.broadcasted_iota(jnp.int32, (bkc, NUM_LANES), 0) + u0
+    lo = jnp.full((bkc, NUM_LANES), q_lo - t0, jnp.int32)
+    hi = jnp.full((bkc, NUM_LANES), q_hi - 1 - t0, jnp.int32)
+    # lo <= u - t + off <= hi  <=>  u + off - hi <= t <= u + off - lo
+    if band.hi < _UNBOUNDED:
+        lo = jnp.maximum(lo, u + (off - band.hi - t0))
+    if band.lo > -_UNBOUNDED:
+        hi = jnp.minimum(hi, u + (off - band.lo - t0))
+    hi = jnp.where((u >= k_lo) & (u < k_hi), hi, -1)
+    col = jax.lax.broadcasted_iota(jnp.int32, (bkc, cols), 1) & (bqc - 1)
+    mask = (col >= _lanes(lo, cols)) & (col <= _lanes(hi, cols))
+    if ids is not None:
+        kv_ids, q_ids = ids
+        q_ids = jnp.concatenate([q_ids] * groups, axis=1) if groups > 1 else q_ids
+        mask = mask & (kv_ids == q_ids)
     return mask
 
 
@@ -318,12 +325,27 @@ def _walk_q_tiles(
     jax.lax.fori_loop(0, block_q // bqc, q_tile, None)
 
 
-def _scores(s, scale, softcap):
-    """Scaled (and soft-capped) f32 scores; returns (scores, tanh) for the softcap gradient."""
+def _score_scale(scale, softcap):
+    """The factor a score takes before its exp. Scores are kept in base 2 (exp2 is the EUP's
+    native op; jnp.exp multiplies every argument by log2(e) first), so log2(e) rides on the score
+    scale; with a soft cap the factor is scale / cap and the cap's tanh follows. The forward folds
+    it into each q tile (one multiply per q element; its q tiles run over many kv slices per
+    load); the backward multiplies the f32 scores (its q and k tiles are reloaded per score tile,
+    and at d = 256 a tile has as many q elements as scores)."""
+    return scale / softcap if softcap else scale * LOG2E
+
+
+def _scaled_q(q, q_scale):
+    return (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+
+
+def _base2_scores(s, softcap):
+    """Base-2 scores from scaled products (`_score_scale`); returns (scores, tanh) (the tanh
+    for the soft cap's gradient, else None)."""
     if softcap:
-        c = jnp.tanh(s * (scale / softcap))
-        return c * softcap, c
-    return s * scale, None
+        c = jnp.tanh(s)
+        return c * (softcap * LOG2E), c
+    return s, None
 
 
 def _current_item(items_ref, layout: ListLayout):
@@ -342,10 +364,6 @@ def _pop_segment_refs(refs, has_segments):
 # -------------------------------------------------------------------------------------------------
 # Forward
 # -------------------------------------------------------------------------------------------------
-
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def _lanes(x, width):
@@ -412,9 +430,8 @@ def _fwd_kernel(
     bqc, bkc = block_q_compute, block_kv_compute
     D = q_ref.shape[-1]
     seq = _seq_scalars(seq_ref, si, n_seq)
-    # Scores are kept in base 2 (exp2 is the EUP's native op): log2(e) rides on the scale
-    # multiply every score takes anyway, and m is the running max of the base-2 scores.
-    q_scale = scale / softcap if softcap else scale * LOG2E
+    # Base-2 scores (`_score_scale`): m is the running max of the base-2 scores.
+    q_scale = _score_scale(scale, softcap)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -432,10 +449,7 @@ def _fwd_kernel(
 
     def load(r0, n=bqc):
         rows = pl.ds(r0, n)
-        # The score scale (and log2(e), or 1 / softcap) is folded into the q tile once per group
-        # rather than into every score: one multiply per q element instead of per score.
-        q = q_ref[:, rows, :].reshape(groups * n, D)
-        q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+        q = _scaled_q(q_ref[:, rows, :].reshape(groups * n, D), q_scale)
         return [
             q,
             m_ref[:, rows, :].reshape(groups * n, NUM_LANES),
@@ -458,11 +472,10 @@ def _fwd_kernel(
         s = jax.lax.dot_general(
             q, k_ref[keys, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        if softcap:
-            s = jnp.tanh(s) * (softcap * LOG2E)
+        s, _ = _base2_scores(s, softcap)
         if masked:
             ids = (qseg_ref[pl.ds(r0, bqc), 0:1], kseg_ref[c][0:1, :]) if has_segments else None
-            mask = _fwd_tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
+            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
             # A row that has seen no key yet keeps m = NEG_INF and gathers exp2(0) = 1 per
             # masked key; the first key it sees scales that away (alpha = 0), and a row that
             # never sees one is told apart by m at the end.
@@ -872,6 +885,7 @@ def _dkdv_kernel(
     rows_c = groups * bqc
     seq = _seq_scalars(seq_ref, si, n_seq)
     q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
+    score_scale = _score_scale(scale, softcap)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -892,26 +906,19 @@ def _dkdv_kernel(
         do = do_ref[:, rows, :].reshape(rows_c, D)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
-        # Stats as lane rows [1, G*bqc]: the G heads' rows side by side.
+        # Stats as lane rows [1, G*bqc]: the G heads' rows side by side (lse in base 2).
         lse_j, di_j = lse_ref[j], di_ref[j]
         lse = jnp.concatenate([lse_j[g : g + 1, :] for g in range(groups)], axis=1)
         di = jnp.concatenate([di_j[g : g + 1, :] for g in range(groups)], axis=1)
         st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        st, cap = _scores(st, scale, softcap)
+        st, cap = _base2_scores(st * score_scale, softcap)
         if masked:
-            shape = (bkc, rows_c)
-            u = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + (ki * block_kv + c * bkc)
-            t = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) & (bqc - 1)) + (
-                qi * block_q + j * bqc
-            )
-            mask = _allowed(t, u, seq, band)
-            if has_segments:
-                qs = qseg_ref[j][0:1, :]
-                qs = jnp.concatenate([qs] * groups, axis=1) if groups > 1 else qs
-                mask = mask & (kseg_ref[keys, 0:1] == qs)
-            pt = jnp.where(mask, jnp.exp(st - lse), 0.0)
+            ids = (kseg_ref[keys, 0:1], qseg_ref[j][0:1, :]) if has_segments else None
+            t0, u0 = qi * block_q + j * bqc, ki * block_kv + c * bkc
+            mask = _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band, ids)
+            pt = jnp.where(mask, jnp.exp2(st - lse), 0.0)
         else:
-            pt = jnp.exp(st - lse)
+            pt = jnp.exp2(st - lse)
         dv_acc[keys, :] += jax.lax.dot_general(
             pt.astype(do.dtype), do, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -921,14 +928,13 @@ def _dkdv_kernel(
         dst = pt * (dpt - di)
         if softcap:
             dst = dst * (1.0 - cap * cap)
-        dst = dst * scale
         dk_acc[keys, :] += jax.lax.dot_general(
             dst.astype(q.dtype), q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        )  # `_finish` applies the scale
         if fused_dq:
             dq = jax.lax.dot_general(
                 dst.astype(k.dtype), k, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [G*bqc, D]
+            )  # [G*bqc, D]; `_finish_dq` applies the scale
             q_rows = pl.ds(pl.multiple_of(qi * block_q + j * bqc, bqc), bqc)
             dq_acc[:, q_rows, :] += dq.reshape(groups, bqc, D)
 
@@ -958,14 +964,14 @@ def _dkdv_kernel(
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
     if fused_dq:
 
         @pl.when(step == n_steps - 1)
         def _finish_dq():
-            dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+            dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
 def _dq_kernel(
@@ -997,6 +1003,7 @@ def _dq_kernel(
     bqc, bkc = block_q_compute, block_kv_compute
     rows_c = groups * bqc
     seq = _seq_scalars(seq_ref, si, n_seq)
+    score_scale = _score_scale(scale, softcap)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -1017,24 +1024,23 @@ def _dq_kernel(
         lse = lse_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         di = di_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s, cap = _scores(s, scale, softcap)
+        s, cap = _base2_scores(s * score_scale, softcap)
         if masked:
             ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
             mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
-            p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+            p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
         else:
-            p = jnp.exp(s - lse)
+            p = jnp.exp2(s - lse)
         dp = jax.lax.dot_general(
             do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         ds = p * (dp - di)
         if softcap:
             ds = ds * (1.0 - cap * cap)
-        ds = ds * scale
         dq = jax.lax.dot_general(
             ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)
+        dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)  # `_finish` applies the scale
 
     @pl.when((flags & COMPUTE) != 0)
     def _compute():
@@ -1056,7 +1062,7 @@ def _dq_kernel(
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
 def _slabs(x, tile):
@@ -1073,6 +1079,9 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
     bqc, bkc = tiles.q_compute_bwd, tiles.kv_compute_bwd
     nq, nk = Sq // bq, Sk // bk
     di = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)  # [B, Hkv, G, Sq]
+    # The kernels recompute base-2 scores (`_score_scale`): lse in base 2 (a row that saw nothing
+    # keeps an lse no finite score reaches).
+    lse2 = jnp.minimum(lse * LOG2E, BIG_LSE)
     has_segments = qseg is not None
     seq_arr = _seq_array(seqs)
     cp = pltpu.CompilerParams(
@@ -1121,7 +1130,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         pl.BlockSpec((None, None, bq // bqc, G, bqc), slab_map),
         pl.BlockSpec((None, None, bq // bqc, G, bqc), slab_map),
     ]
-    args = head_args + [q5, k4, v4, do5, _slabs(lse, bqc), _slabs(di, bqc)]
+    args = head_args + [q5, k4, v4, do5, _slabs(lse2, bqc), _slabs(di, bqc)]
     if has_segments:
         in_specs += [
             pl.BlockSpec(
@@ -1180,7 +1189,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         pl.BlockSpec((None, None, G, bq), st_map),
         pl.BlockSpec((None, None, G, bq), st_map),
     ]
-    args = head_args + [q5, k4, v4, do5, lse, di]
+    args = head_args + [q5, k4, v4, do5, lse2, di]
     if has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, it, sq: (b, q_block(b, i, it), 0)),

