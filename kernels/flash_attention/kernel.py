@@ -54,7 +54,8 @@ it in a scratch that lives across the (batch, head)'s items and no dq pass runs.
 recomputes base-2 scores (one multiply per score, lse turned to base 2 once outside the
 kernels); the softmax scale is applied to dq and dk once, when they are written, not to every
 score. Masked tiles test each score against one interval per row (dq:
-the row's keys; dk/dv: the key's query tokens), two compares, as the forward does.
+the row's keys; dk/dv: the key's query tokens), two compares, as the forward does. The dq pass
+runs a q tile's kv slices two per straight-line group (DQ_UNROLL) and updates dq once per group.
 """
 
 from __future__ import annotations
@@ -684,6 +685,10 @@ FWD_UNROLL = 4
 INTERIOR_Q_UNROLL = 2
 
 
+# kv slices per straight-line group of the dq pass's q tiles (see `_visit`).
+DQ_UNROLL = 2
+
+
 def _fwd_unroll(n_slices):
     return min(FWD_UNROLL, n_slices)
 
@@ -1013,34 +1018,41 @@ def _dq_kernel(
             lse_col[g] = jnp.broadcast_to(lse_ref[g : g + 1, :], (NUM_LANES, block_q)).T
             di_col[g] = jnp.broadcast_to(di_ref[g : g + 1, :], (NUM_LANES, block_q)).T
 
-    def tile(r0, t0, c, masked):
+    def tile(r0, t0, cs, masked):
+        """Score tiles of the q tile at row r0 against kv slices `cs` (a static count) in
+        straight-line code; their dQ contributions are summed before one accumulator update."""
         rows = pl.ds(r0, bqc)
-        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
         D = q_ref.shape[-1]
         q = q_ref[:, rows, :].reshape(rows_c, D)
         do = do_ref[:, rows, :].reshape(rows_c, D)
-        k = k_ref[keys, :]
-        v = v_ref[keys, :]
         lse = lse_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
         di = di_col[:, rows, :].reshape(rows_c, NUM_LANES)[:, 0:1]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s, cap = _base2_scores(s * score_scale, softcap)
-        if masked:
-            ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
-            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
-            p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
-        else:
-            p = jnp.exp2(s - lse)
-        dp = jax.lax.dot_general(
-            do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        ds = p * (dp - di)
-        if softcap:
-            ds = ds * (1.0 - cap * cap)
-        dq = jax.lax.dot_general(
-            ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        dq_acc[:, rows, :] += dq.reshape(groups, bqc, D)  # `_finish` applies the scale
+        dq_sum = None
+        for c in cs:
+            keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+            k = k_ref[keys, :]
+            v = v_ref[keys, :]
+            s = jax.lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            s, cap = _base2_scores(s * score_scale, softcap)
+            if masked:
+                ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
+                mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
+                p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+            else:
+                p = jnp.exp2(s - lse)
+            dp = jax.lax.dot_general(
+                do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            ds = p * (dp - di)
+            if softcap:
+                ds = ds * (1.0 - cap * cap)
+            dq = jax.lax.dot_general(
+                ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            dq_sum = dq if dq_sum is None else dq_sum + dq
+        dq_acc[:, rows, :] += dq_sum.reshape(groups, bqc, D)  # `_finish` applies the scale
 
     @pl.when((flags & COMPUTE) != 0)
     def _compute():
@@ -1058,6 +1070,7 @@ def _dq_kernel(
             has_segments=has_segments,
             tile_ranges=tile_ranges,
             ranges_ref=ranges_ref,
+            unroll=DQ_UNROLL,
         )
 
     @pl.when((flags & LAST) != 0)
