@@ -369,3 +369,33 @@ def test_schedule_cache_prune_keeps_current_and_unmatched_rows(tmp_path):
         f"{row_b}|1111111111111111",
         f"{row_b}|2222222222222222",
     }
+
+
+def test_bwd_dump_points_selects_the_points_loop():
+    """bwd_dump_points.select_loop takes, among the innermost loops holding whole tiles, the
+    masked (vsel) or mask-free one the point names, the longest such, and reports bundles per
+    tile over the tiles in its body; a point whose loop is missing is refused."""
+    import bwd_dump_points
+
+    def loop(bundles, children=0, **ops):
+        occ = {"MXU": 0.5, "VALU": 0.25}
+        return {"children": children, "own": {"bundles": bundles, "ops": ops, "occupancy": occ}}
+
+    schedule = {
+        "loops": [
+            loop(9000, children=2, dma=4),  # the grid step: not innermost
+            loop(4334, vmatmul=768, vsel=2180, vpow2=1024),
+            loop(3667, vmatmul=768, vpow2=1024),
+            loop(4264, vmatmul=768, vsel=2180),
+            loop(500, vmatmul=100, vsel=3),  # not whole tiles of 384 pushes
+        ]
+    }
+    masked = bwd_dump_points.select_loop(schedule, {"masked": True}, 384)
+    assert masked["hot_loop_bundles"] == 4334 and masked["tiles_per_iteration"] == 2
+    assert masked["dump_bundles_per_tile"] == 2167.0
+    assert masked["loop"] == "masked edge tiles (vsel), 2 per straight-line group"
+    free = bwd_dump_points.select_loop(schedule, {"masked": False}, 768)
+    assert free["hot_loop_bundles"] == 3667 and free["tiles_per_iteration"] == 1
+    assert free["loop"] == "mask-free tiles" and free["mxu_occupancy"] == 0.5
+    with pytest.raises(ValueError, match="mask-free"):
+        bwd_dump_points.select_loop({"loops": schedule["loops"][1:2]}, {"masked": False}, 384)

@@ -451,6 +451,7 @@ def fwd_tile_units(
 # and its product with dS (4 ops, counted from the body, not fitted); segment ids the forward's
 # id compare (not fitted either). The dq pass runs its kv slices two per straight-line group
 # (kernel.py DQ_UNROLL): its dumped loops hold two tiles, and the figures are per tile.
+# benchmarks/bwd_dump_points.py re-dumps the points and refreshes their errors.
 # benchmarks/results/tile_model_calibration.json "bwd_points"
 # holds the dumps: fitted on the Llama-3-8B points (role "calibration"; among fits within two
 # points of the best error there, the one with the smallest error on every point of its

@@ -1,0 +1,154 @@
+"""Re-dump the flash backward points of the tile-ranking calibration
+(benchmarks/results/tile_model_calibration.json, "bwd_points") after a change to the backward
+kernels, and refresh what each point records.
+
+Every point carries the command that dumped it (llo_schedule.py on
+schedule_targets:compile_flash_bwd_tiles, one backward kernel by op name). This runs each distinct
+command once with --json, picks the point's loop from the schedule (`select_loop`: the innermost
+loop whose MXU pushes are a whole number of the point's tiles, masked or mask-free as the point
+says, the longest such), and rewrites the measured fields (bundles, tiles per loop body, MXU and
+VALU occupancy) and the model's figure and error under the constants the code holds now. Refitting
+the constants (kernels/flash_attention/tiling.py BWD_*) stays a decision for the reader of the
+errors it prints; tests/test_flash_attention_kernel.py holds every point to the model's tolerance.
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bwd_dump_points.py [--pass dq] \\
+        [--generation v6e] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CALIBRATION = HERE / "results" / "tile_model_calibration.json"
+MEASURED = (
+    "hot_loop_bundles",
+    "hot_loop_vmatmul",
+    "tiles_per_iteration",
+    "dump_bundles_per_tile",
+    "mxu_occupancy",
+    "valu_occupancy",
+    "loop",
+)
+
+
+def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
+    """The measured fields of `point` from one kernel's schedule summary (llo_schedule --json):
+    among the innermost loops whose vmatmul count is a positive multiple of the tile's MXU pushes
+    and that select (vsel) exactly when the point is a masked one, the one with the most bundles
+    (the edge walk compiles a masked loop on each side of the mask-free run; they match)."""
+    found = []
+    for loop in schedule["loops"]:
+        ops = loop["own"]["ops"]
+        pushes = ops.get("vmatmul", 0)
+        if loop["children"] or not pushes or pushes % mxu_pushes:
+            continue
+        if ("vsel" in ops) != bool(point["masked"]):
+            continue
+        found.append(loop)
+    if not found:
+        raise ValueError(f"no {'masked' if point['masked'] else 'mask-free'} loop of whole tiles")
+    loop = max(found, key=lambda x: x["own"]["bundles"])
+    own = loop["own"]
+    tiles = own["ops"]["vmatmul"] // mxu_pushes
+    label = "masked edge tiles (vsel)" if point["masked"] else "mask-free tiles"
+    return {
+        "hot_loop_bundles": own["bundles"],
+        "hot_loop_vmatmul": own["ops"]["vmatmul"],
+        "tiles_per_iteration": tiles,
+        "dump_bundles_per_tile": round(own["bundles"] / tiles, 1),
+        "mxu_occupancy": round(own["occupancy"]["MXU"], 3),
+        "valu_occupancy": round(own["occupancy"]["VALU"], 3),
+        "loop": label + (f", {tiles} per straight-line group" if tiles > 1 else ""),
+    }
+
+
+def _flash():
+    import ours
+
+    return ours.ADAPTERS["flash_attention"].mod
+
+
+def tile_units(point: dict) -> dict:
+    T = _flash().tiling
+    gen = T.get_generation(point["generation"])
+    return T.bwd_tile_units(
+        gen,
+        point["rows"],
+        point["cols"],
+        point["head_dim"],
+        point["pass"],
+        softcap=point["softcap"],
+        two_edges=point["two_edges"],
+    )
+
+
+def model_fields(point: dict) -> dict:
+    """The model's bundles per tile for the point under the current constants, and its error
+    against the dump (what the test recomputes)."""
+    mod = _flash()
+    u = tile_units(point)
+    valu = u["valu_ops"] + (u["masked_valu_ops"] if point["masked"] else 0.0)
+    gen = mod.tiling.get_generation(point["generation"])
+    model = mod.tpu_generations.tile_bundles(
+        gen, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
+    )
+    return {
+        "model_bundles_per_tile": round(model, 1),
+        "model_error": round(model / point["dump_bundles_per_tile"] - 1, 4),
+    }
+
+
+def _dump(command: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        shlex.split(command) + ["--json"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise RuntimeError(f"{command} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout[out.stdout.index("{") :])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pass", dest="pass_", choices=("dkv", "dq", "fused"))
+    ap.add_argument("--generation")
+    ap.add_argument("--write", action="store_true", help="rewrite the calibration file")
+    args = ap.parse_args(argv)
+    data = json.loads(CALIBRATION.read_text())
+    points = [
+        p
+        for p in data["bwd_points"]
+        if (args.pass_ is None or p["pass"] == args.pass_)
+        and (args.generation is None or p["generation"] == args.generation)
+    ]
+    schedules: dict[str, dict] = {}
+    worst = 0.0
+    for p in points:
+        if p["command"] not in schedules:
+            schedules[p["command"]] = _dump(p["command"])
+        before = p["dump_bundles_per_tile"]
+        p.update(select_loop(schedules[p["command"]], p, tile_units(p)["mxu_pushes"]))
+        p.update(model_fields(p))
+        worst = max(worst, abs(p["model_error"]))
+        print(
+            f"{p['generation']:6s} {p['pass']:5s} {p['shape'][:28]:28s} {p['rows']}x{p['cols']} "
+            f"{'masked' if p['masked'] else 'mask-free':9s} {before} -> "
+            f"{p['dump_bundles_per_tile']} per tile, model {p['model_bundles_per_tile']} "
+            f"({p['model_error']:+.3f})"
+        )
+    print(f"largest model error: {worst:.4f}")
+    if args.write:
+        CALIBRATION.write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
