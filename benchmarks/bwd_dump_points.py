@@ -28,15 +28,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CALIBRATION = HERE / "results" / "tile_model_calibration.json"
-MEASURED = (
-    "hot_loop_bundles",
-    "hot_loop_vmatmul",
-    "tiles_per_iteration",
-    "dump_bundles_per_tile",
-    "mxu_occupancy",
-    "valu_occupancy",
-    "loop",
-)
 
 
 def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
@@ -76,29 +67,23 @@ def _flash():
     return ours.ADAPTERS["flash_attention"].mod
 
 
-def tile_units(point: dict) -> dict:
+def _point_args(point: dict):
     T = _flash().tiling
     gen = T.get_generation(point["generation"])
-    return T.bwd_tile_units(
-        gen,
-        point["rows"],
-        point["cols"],
-        point["head_dim"],
-        point["pass"],
-        softcap=point["softcap"],
-        two_edges=point["two_edges"],
-    )
+    return T, (gen, point["rows"], point["cols"], point["head_dim"], point["pass"])
+
+
+def tile_mxu_pushes(point: dict) -> int:
+    T, args = _point_args(point)
+    return T.bwd_tile_units(*args, softcap=point["softcap"])["mxu_pushes"]
 
 
 def model_fields(point: dict) -> dict:
     """The model's bundles per tile for the point under the current constants, and its error
     against the dump (what the test recomputes)."""
-    mod = _flash()
-    u = tile_units(point)
-    valu = u["valu_ops"] + (u["masked_valu_ops"] if point["masked"] else 0.0)
-    gen = mod.tiling.get_generation(point["generation"])
-    model = mod.tpu_generations.tile_bundles(
-        gen, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
+    T, args = _point_args(point)
+    model = T.bwd_tile_bundles(
+        *args, masked=point["masked"], softcap=point["softcap"], two_edges=point["two_edges"]
     )
     return {
         "model_bundles_per_tile": round(model, 1),
@@ -135,7 +120,7 @@ def main(argv=None) -> int:
         if p["command"] not in schedules:
             schedules[p["command"]] = _dump(p["command"])
         before = p["dump_bundles_per_tile"]
-        p.update(select_loop(schedules[p["command"]], p, tile_units(p)["mxu_pushes"]))
+        p.update(select_loop(schedules[p["command"]], p, tile_mxu_pushes(p)))
         p.update(model_fields(p))
         worst = max(worst, abs(p["model_error"]))
         print(

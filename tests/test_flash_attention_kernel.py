@@ -809,19 +809,12 @@ CALIBRATION = (
 
 def _bwd_model_bundles(p):
     g = T.GENERATIONS[p["generation"]]
-    u = T.bwd_tile_units(
-        g,
-        p["rows"],
-        p["cols"],
-        p["head_dim"],
-        p["pass"],
-        softcap=p["softcap"],
-        two_edges=p["two_edges"],
+    kw = dict(softcap=p["softcap"], two_edges=p["two_edges"])
+    u = T.bwd_tile_units(g, p["rows"], p["cols"], p["head_dim"], p["pass"], **kw)
+    model = T.bwd_tile_bundles(
+        g, p["rows"], p["cols"], p["head_dim"], p["pass"], masked=p["masked"], **kw
     )
-    valu = u["valu_ops"] + (u["masked_valu_ops"] if p["masked"] else 0.0)
-    return u, fa.tpu_generations.tile_bundles(
-        g, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
-    )
+    return u, model
 
 
 def test_backward_tile_model_matches_the_dumps():

@@ -222,25 +222,41 @@ def _documents_meet(ranges_ref, shape, b, gq, gk):
     )
 
 
+def _interval_mask(x, x_seq, y0, y_seq, off, band: Band, n_cols, mirrored=False, col_period=None):
+    """Two compares per score. A tile's row at outer position x (`x`: lane-replicated [rows, 128])
+    may see the inner positions y of y_seq with lo <= (y - x) + off <= hi (`band`), none if x lies
+    outside x_seq; `mirrored`: the rows are keys and the columns query tokens, lo <= (x - y) + off
+    <= hi. The row's interval of y is worked out on the [rows, 128] columns (1/n_cols-th of the
+    tile's elements) and compared with the column's y - y0: the column index, mod `col_period`
+    where the columns stack several heads' tokens."""
+    rows = x.shape[0]
+    lo = jnp.full((rows, NUM_LANES), y_seq[0] - y0, jnp.int32)
+    hi = jnp.full((rows, NUM_LANES), y_seq[1] - 1 - y0, jnp.int32)
+    if mirrored:  # x + off - hi <= y <= x + off - lo
+        if band.hi < _UNBOUNDED:
+            lo = jnp.maximum(lo, x + (off - band.hi - y0))
+        if band.lo > -_UNBOUNDED:
+            hi = jnp.minimum(hi, x + (off - band.lo - y0))
+    else:  # x + lo - off <= y <= x + hi - off
+        if band.lo > -_UNBOUNDED:
+            lo = jnp.maximum(lo, x + (band.lo - off - y0))
+        if band.hi < _UNBOUNDED:
+            hi = jnp.minimum(hi, x + (band.hi - off - y0))
+    hi = jnp.where((x >= x_seq[0]) & (x < x_seq[1]), hi, -1)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, n_cols), 1)
+    if col_period is not None:
+        col = col & (col_period - 1)
+    return (col >= _lanes(lo, n_cols)) & (col <= _lanes(hi, n_cols))
+
+
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass): rows stack G heads of the
-    bqc query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0.
-    Two compares per score: each row's allowed key columns form one interval [lo, hi] (its
-    sequence's keys within the band; empty for a row outside its sequence), worked out on
-    lane-replicated [rows, 128] columns (1/bkc-th of the tile's elements) and then compared with
-    the column index. `ids`: (q segment ids as a column [bqc, 1], kv ids as a row [1, bkc])."""
+    bqc query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0;
+    a row's keys form one interval (`_interval_mask`). `ids`: (q segment ids as a column
+    [bqc, 1], kv ids as a row [1, bkc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
-    rows = groups * bqc
-    t = (jax.lax.broadcasted_iota(jnp.int32, (rows, NUM_LANES), 0) & (bqc - 1)) + t0
-    lo = jnp.full((rows, NUM_LANES), k_lo - u0, jnp.int32)
-    hi = jnp.full((rows, NUM_LANES), k_hi - 1 - u0, jnp.int32)
-    if band.lo > -_UNBOUNDED:
-        lo = jnp.maximum(lo, t + (band.lo - off - u0))
-    if band.hi < _UNBOUNDED:
-        hi = jnp.minimum(hi, t + (band.hi - off - u0))
-    hi = jnp.where((t >= q_lo) & (t < q_hi), hi, -1)
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, bkc), 1)
-    mask = (col >= _lanes(lo, bkc)) & (col <= _lanes(hi, bkc))
+    t = (jax.lax.broadcasted_iota(jnp.int32, (groups * bqc, NUM_LANES), 0) & (bqc - 1)) + t0
+    mask = _interval_mask(t, (q_lo, q_hi), u0, (k_lo, k_hi), off, band, bkc)
     if ids is not None:
         q_ids, kv_ids = ids
         q_ids = jnp.concatenate([q_ids] * groups, axis=0) if groups > 1 else q_ids
@@ -251,22 +267,13 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
 def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc]: rows are the
     keys from u0, columns G heads of the bqc query tokens from t0 (the token is the column index
-    mod bqc). Each key row's allowed query tokens form one interval (the band mirrored; empty for
-    a key outside its sequence), so again two compares per score. `ids`: (kv segment ids as a
-    column [bkc, 1], q ids as a row [1, bqc])."""
+    mod bqc); a key's query tokens form one interval. `ids`: (kv segment ids as a column
+    [bkc, 1], q ids as a row [1, bqc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
-    cols = groups * bqc
     u = jax.lax.broadcasted_iota(jnp.int32, (bkc, NUM_LANES), 0) + u0
-    lo = jnp.full((bkc, NUM_LANES), q_lo - t0, jnp.int32)
-    hi = jnp.full((bkc, NUM_LANES), q_hi - 1 - t0, jnp.int32)
-    # lo <= u - t + off <= hi  <=>  u + off - hi <= t <= u + off - lo
-    if band.hi < _UNBOUNDED:
-        lo = jnp.maximum(lo, u + (off - band.hi - t0))
-    if band.lo > -_UNBOUNDED:
-        hi = jnp.minimum(hi, u + (off - band.lo - t0))
-    hi = jnp.where((u >= k_lo) & (u < k_hi), hi, -1)
-    col = jax.lax.broadcasted_iota(jnp.int32, (bkc, cols), 1) & (bqc - 1)
-    mask = (col >= _lanes(lo, cols)) & (col <= _lanes(hi, cols))
+    mask = _interval_mask(
+        u, (k_lo, k_hi), t0, (q_lo, q_hi), off, band, groups * bqc, mirrored=True, col_period=bqc
+    )
     if ids is not None:
         kv_ids, q_ids = ids
         q_ids = jnp.concatenate([q_ids] * groups, axis=1) if groups > 1 else q_ids
@@ -334,10 +341,6 @@ def _score_scale(scale, softcap):
     load); the backward multiplies the f32 scores (its q and k tiles are reloaded per score tile,
     and at d = 256 a tile has as many q elements as scores)."""
     return scale / softcap if softcap else scale * LOG2E
-
-
-def _scaled_q(q, q_scale):
-    return (q.astype(jnp.float32) * q_scale).astype(q.dtype)
 
 
 def _base2_scores(s, softcap):
@@ -450,7 +453,9 @@ def _fwd_kernel(
 
     def load(r0, n=bqc):
         rows = pl.ds(r0, n)
-        q = _scaled_q(q_ref[:, rows, :].reshape(groups * n, D), q_scale)
+        # The score scale is folded into the q tile once per group (`_score_scale`).
+        q = q_ref[:, rows, :].reshape(groups * n, D)
+        q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
         return [
             q,
             m_ref[:, rows, :].reshape(groups * n, NUM_LANES),

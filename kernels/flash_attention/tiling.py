@@ -531,6 +531,26 @@ def bwd_tile_units(
     }
 
 
+def bwd_tile_bundles(
+    gen: TpuGeneration,
+    rows: int,
+    cols: int,
+    head_dim: int,
+    pass_: str,
+    *,
+    masked: bool,
+    softcap=False,
+    two_edges=False,
+) -> float:
+    """Bundles the model gives one backward score tile (`bwd_tile_units` through
+    tile_bundles): what the calibration points' model figures are."""
+    u = bwd_tile_units(gen, rows, cols, head_dim, pass_, softcap=softcap, two_edges=two_edges)
+    valu = u["valu_ops"] + (u["masked_valu_ops"] if masked else 0.0)
+    return _generations.tile_bundles(
+        gen, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
+    )
+
+
 # -------------------------------------------------------------------------------------------------
 # Cost model: the same work list the kernel walks, counted.
 # -------------------------------------------------------------------------------------------------
