@@ -322,7 +322,8 @@ class PagedAttention(Adapter):
             kv_dtype=shape.cache_dtype,
             sliding_window=shape.window,
             token_major=shape.layout == "token_major",
-            token_scales=shape.kv_dtype is not None,
+            token_scales=shape.token_scales,
+            head_scales=shape.head_scales,
             generation=generation,
             config=tiles,
         )
@@ -351,8 +352,8 @@ class PagedAttention(Adapter):
     def schedule_trips(self, shape, generation):
         """Steps per compute path, from the kernel's own work list (tiling.path_runs): an item
         whose rows sit in one narrow slice of its q block (a decode token's G heads) takes the
-        narrow path, in its compact pair form where that is compiled and the item holds at most
-        half the slice; any other item with pages the whole-q-block path (tiling.compute_paths
+        narrow path, in its compact form (KV-head pairs or 8-bit quads) where that is compiled
+        and the item holds at most tiling.compact_rows rows; any other item with pages the whole-q-block path (tiling.compute_paths
         gives the program order). Empty items and the steps past the list take none."""
         T = self.mod.tiling
         q_lens = [q for q, _ in shape.seqs]
@@ -373,8 +374,13 @@ class PagedAttention(Adapter):
             sliding_window=shape.window,
             causal=True,
         )
-        compact = T.compact_pairs(
-            shape.cache_dtype, shape.kv_heads, shape.layout == "token_major", group, narrow
+        compact = T.compact_rows(
+            shape.cache_dtype,
+            shape.kv_heads,
+            shape.layout == "token_major",
+            group,
+            narrow,
+            token_scales=shape.token_scales,
         )
         return paged_trips(
             T.path_runs(items, q_lens, block_q=bq, group=group, narrow=narrow, compact=compact)
@@ -385,11 +391,16 @@ class PagedAttention(Adapter):
         opts = dict(sliding_window=shape.window, config=tiles, generation=generation)
         if shape.layout == "token_major":
             if shape.kv_dtype is not None:
+                names = (
+                    ("k_scale", "v_scale")
+                    if shape.token_scales
+                    else ("k_head_scale", "v_head_scale")
+                )
 
                 def fn(q, k, v, kv_lens, page_table, cu_q_lens, num_seqs, k_scale, v_scale):
                     return kern.paged_attention_token_major(
                         q, k, v, kv_lens, page_table, cu_q_lens, num_seqs,
-                        k_scale=k_scale, v_scale=v_scale, **opts,
+                        **dict(zip(names, (k_scale, v_scale))), **opts,
                     )  # fmt: skip
 
                 return fn
@@ -427,8 +438,10 @@ class PagedAttention(Adapter):
                 jnp.dtype(shape.cache_dtype),
             )
             scales = []
-            if shape.kv_dtype is not None:
+            if shape.token_scales:
                 scales = [((pages, shape.kv_heads, shape.page_size), jnp.float32)] * 2
+            elif shape.head_scales:
+                scales = [((shape.kv_heads,), jnp.float32)] * 2
             return [q, cache, cache, *meta, *scales]
         return [
             q,

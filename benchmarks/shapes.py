@@ -108,10 +108,21 @@ class PagedShape:
     # per-token-per-head f32 scales. The anchors keep their own cache in `dtype`.
     layout: str = "head_major"
     kv_dtype: str | None = None
+    # 8-bit pages' scales: "token" (per-token-per-head [blocks, Hkv, block_size] f32) or "head"
+    # (per-head static scales [Hkv] only, as a serving stack with calibrated scales keeps).
+    kv_scales: str = "token"
 
     @property
     def cache_dtype(self) -> str:
         return self.kv_dtype or self.dtype
+
+    @property
+    def token_scales(self) -> bool:
+        return self.kv_dtype is not None and self.kv_scales == "token"
+
+    @property
+    def head_scales(self) -> bool:
+        return self.kv_dtype is not None and self.kv_scales == "head"
 
     @property
     def q_tokens(self) -> int:
@@ -225,6 +236,29 @@ NAMED = {
             page_size=128,
             layout="token_major",
             kv_dtype="float8_e4m3fn",
+        ),
+        # The int8 and e4m3 batches with per-head static scales only (no per-token scales).
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192_int8_head_scales",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+            layout="token_major",
+            kv_dtype="int8",
+            kv_scales="head",
+        ),
+        PagedShape(
+            "llama3_8b_decode_b64_ctx8192_fp8_head_scales",
+            tuple((1, 8192) for _ in range(64)),
+            32,
+            8,
+            128,
+            page_size=128,
+            layout="token_major",
+            kv_dtype="float8_e4m3fn",
+            kv_scales="head",
         ),
     ],
 }

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import kernel_loader
 import tpu_interpreter
@@ -365,8 +367,6 @@ def test_tpu_interpret(case):
 def test_tpu_interpret_out_of_bounds_page_raises():
     """A page table entry past the cache is an out-of-bounds DMA read in TPU interpret mode (the
     torch ops refuse such tables before any kernel runs)."""
-    from jax.experimental.pallas import tpu as pltpu
-
     pltpu.reset_tpu_interpret_mode_state()
     b = make_batch(
         np.random.default_rng(3), [2], [20], num_slots=1, pages_per_seq=2, tokens=8, hq=2, hkv=1
@@ -881,6 +881,109 @@ def test_fp8_pages_as_uint8_bytes_match_float8():
         )
 
 
+def _quantised_call(b, token_scales: bool, caches=None, **kw):
+    """paged_attention_token_major over make_quantised's caches (or `caches`) with per-head static
+    scales and sinks, and per-token scales when `token_scales`; the output as f32."""
+    k, v = caches if caches is not None else (b["k"], b["v"])
+    scales = dict(k_scale=b["k_scale"], v_scale=b["v_scale"]) if token_scales else {}
+    out = kernel.paged_attention_token_major(
+        b["q"], k, v, b["kv_lens"], b["pt"], b["cu"], b["ns"],
+        k_head_scale=b["k_head"], v_head_scale=b["v_head"], sinks=b["sinks"],
+        interpret=True, **scales, **kw,
+    )  # fmt: skip
+    return np.asarray(out.astype(np.float32))
+
+
+def _quantised_ref(b, token_scales: bool, **kw):
+    deq = [
+        reference.dequantize_token_major(
+            b[n], b[n + "_scale"] if token_scales else None, b[n + "_head"]
+        )
+        for n in "kv"
+    ]
+    args = (b["kv_lens"], b["pt"], b["cu"], b["ns"])
+    return reference.paged_attention_token_major_ref(
+        b["q"].astype(np.float32), *deq, *args, sinks=b["sinks"], **kw
+    )
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("hkv, hq, token_scales", [(8, 32, True), (8, 24, True), (4, 16, False)])
+def test_8bit_quad_path_and_per_head_items(qdtype, hkv, hq, token_scales):
+    """8-bit decode items of at most a quarter of the 16 narrow rows take the quad path
+    (kernel.py compute_head_quads: four KV heads per word, heads 4j + 1..3's q rows rotated into
+    rows the item does not own, G = 4 aligned and G = 3 straddling the quarters); a 2-4 token
+    chunk in the same q block takes the per-head path. Per-token scales (8 KV heads: spread over
+    the score columns by the MXU) or per-head static scales only (4 KV heads), windowed,
+    soft-capped, with sinks, against the f32 reference over the dequantised cache."""
+    g = hq // hkv
+    assert tiling.compact_rows(jax.numpy.int8, hkv, True, g, 16, token_scales) == 4
+    b = make_quantised(
+        np.random.default_rng(hkv + hq), [1, 2, 1, 1], [200, 77, 256, 130], qdtype,
+        hkv=hkv, hq=hq, tokens=16, num_slots=4,
+    )  # fmt: skip
+    kw = dict(sliding_window=150, soft_cap=30.0)
+    out = _quantised_call(b, token_scales, **kw)
+    ref = _quantised_ref(b, token_scales, **kw)
+    live = int(b["cu"][-1])
+    assert not out[live:].any()
+    assert np.abs(out[:live] - ref[:live]).max() <= QUANT_KERNEL_TOL * np.abs(ref[:live]).max()
+
+
+def test_quad_path_spreads_token_scales_exactly():
+    """The quad path's per-token scale spreading (kernel.py `_spread_scales` with the
+    `_write_spread_matrix` 0/1 matrix, on the MXU in the kernel) reproduces every f32 scale bit
+    for bit at its four columns, for scales using all 24 significant bits over a wide exponent
+    range (one bf16 part, or two, would round them)."""
+    jnp = jax.numpy
+    t = tiling.SPREAD_TOKENS
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, 4 * t)) * np.exp2(rng.integers(-20, 20, (8, 4 * t)))).astype(
+        np.float32
+    )
+    x[0, :8] = np.float32(1 + 2.0**-23)  # needs the third part
+
+    def body(x_ref, o_ref, m_ref):
+        kernel._write_spread_matrix(m_ref)
+        o_ref[...] = kernel._spread_scales(x_ref[...], m_ref[...])
+
+    out = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((4 * 8, 4 * t), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((3 * t, 4 * t), jnp.bfloat16)],
+        interpret=True,
+    )(x)
+    want = np.concatenate([np.repeat(x[:, c * t : (c + 1) * t], 4, axis=1) for c in range(4)])
+    assert np.asarray(out).tobytes() == want.tobytes()
+
+
+def test_8bit_quad_path_keeps_sequences_apart():
+    """A NaN in one valid e4m3 key and value (sequence 1, KV head 5) reaches that sequence's
+    token on the quad of KV heads 4..7 (the other heads' probabilities are 0 at its column, and
+    0 * NaN is NaN in the probability matmul, as in the pair path) and nothing else; a NaN in
+    stale slots past kv_len, per-token scales included, reaches nothing."""
+    b = make_quantised(
+        np.random.default_rng(11), [1, 1, 1], [200, 77, 130], "fp8", hkv=8, hq=32, tokens=8,
+    )  # fmt: skip
+    ref = _quantised_ref(b, True)
+    k, v = (np.array(b[n]) for n in "kv")
+    page, row = b["pt"][1, 5 // QPS], 5 % QPS
+    for c in (k, v):
+        c[page, row, 5] = np.nan
+        c[b["pt"][2, 1], 130 - QPS :] = np.nan  # sequence 2's stale rows past kv_len
+    for sc in ("k_scale", "v_scale"):
+        b[sc] = np.array(b[sc])
+        b[sc][b["pt"][2, 1], :, 130 - QPS :] = np.nan
+    out = _quantised_call(b, True, caches=(k, v))
+    poisoned = np.zeros(out.shape[:2], bool)
+    poisoned[1, 4 * 4 : 8 * 4] = True  # token 1 is sequence 1's; query heads of KV heads 4..7
+    assert np.isnan(out[poisoned]).all()
+    live = int(b["cu"][-1])
+    clean = ~poisoned[:live]
+    err = np.abs(out[:live][clean] - ref[:live][clean]).max()
+    assert err <= QUANT_KERNEL_TOL * np.abs(ref[:live]).max()
+
+
 def test_sinks_head_major_and_bf16_token_major():
     """Sinks also in the head-major kernel and with bf16 token-major pages."""
     rng = np.random.default_rng(2)
@@ -947,21 +1050,28 @@ def test_compute_path_rule_shared_by_cost_model_and_benchmarks():
     assert path(0, 200, 1, **kw) == "whole"  # a prefill's whole block
     assert path(0, 1, 0, block_q=4, group=4, narrow=16) == "narrow"  # the narrow code only
     # Where the pair path compiles its compact form: items of at most 8 of the 16 rows.
-    assert path(5, 6, 0, compact=True, **kw) == "compact"  # a decode token's 4 rows
-    assert path(68, 70, 1, compact=True, **kw) == "compact"  # 2 tokens: 8 rows
-    assert path(68, 71, 1, compact=True, **kw) == "narrow"  # 3 tokens: 12 rows, stacked form
-    assert path(3, 5, 0, compact=True, **kw) == "whole"
-    assert tiling.compute_paths(rows=256, narrow=16, compact=True) == ("compact", "narrow", "whole")
+    assert path(5, 6, 0, compact=8, **kw) == "compact"  # a decode token's 4 rows
+    assert path(68, 70, 1, compact=8, **kw) == "compact"  # 2 tokens: 8 rows
+    assert path(68, 71, 1, compact=8, **kw) == "narrow"  # 3 tokens: 12 rows, stacked form
+    assert path(3, 5, 0, compact=8, **kw) == "whole"
+    # The 8-bit quad path: items of at most 4 of the 16 rows (one token of G <= 4).
+    assert path(5, 6, 0, compact=4, **kw) == "compact"
+    assert path(68, 70, 1, compact=4, **kw) == "narrow"  # 2 tokens: the per-head path
+    assert tiling.compute_paths(rows=256, narrow=16, compact=8) == ("compact", "narrow", "whole")
     assert tiling.compute_paths(rows=16, narrow=16) == ("narrow",)
-    # compact is compiled for paired 16-bit token-major heads whose token fills <= half a slice
-    bf16 = jax.numpy.bfloat16
-    assert tiling.compact_pairs(bf16, 8, True, 4, 16)
-    assert not tiling.compact_pairs(bf16, 8, True, 16, 16)  # G = 16: a token fills the slice
-    assert not tiling.compact_pairs(bf16, 8, False, 4, 16)  # head-major: no pairs
-    assert not tiling.compact_pairs(jax.numpy.int8, 8, True, 4, 16)
+    # compact is compiled for paired 16-bit token-major heads whose token fills <= half a slice,
+    # and for 8-bit heads in fours whose token fills <= a quarter (per-token scales: 8k heads)
+    bf16, i8, e4m3 = jax.numpy.bfloat16, jax.numpy.int8, jax.numpy.float8_e4m3fn
+    assert tiling.compact_rows(bf16, 8, True, 4, 16) == 8
+    assert tiling.compact_rows(bf16, 8, True, 16, 16) == 0  # G = 16: a token fills the slice
+    assert tiling.compact_rows(bf16, 8, False, 4, 16) == 0  # head-major: no pairs
+    assert tiling.compact_rows(i8, 8, True, 4, 16, token_scales=True) == 4
+    assert tiling.compact_rows(e4m3, 4, True, 4, 16) == 4  # static scales: 4 heads suffice
+    assert tiling.compact_rows(i8, 4, True, 4, 16, token_scales=True) == 0
+    assert tiling.compact_rows(i8, 8, True, 8, 16) == 0  # G = 8: half the slice
     runs = tiling.path_runs(
         [(0, 0, 0, 2), (0, 1, 0, 1), (0, 2, 0, 3), (0, 3, 0, 0)], [1, 3, 12, 1],
-        compact=True, **kw,
+        compact=8, **kw,
     )  # fmt: skip
     assert runs == {"compact": 1, "narrow": 1, "whole": 1}  # the empty item takes none
     # The cost model charges a decode batch narrow rows only, whole blocks to the prefill.
@@ -1033,11 +1143,14 @@ def test_decode_unit_model_within_tolerance_of_paged_dumps():
         assert model == pytest.approx(p["model_busy_step_bundles"], abs=1.0), p["shape"]
         err = model / p["dump_busy_step_bundles"] - 1
         assert abs(err) <= tol, (p["generation"], p["shape"], p["tiles"], err)
-    # The bf16 token-major dumps hold both forms of the pair path: the decode items' compact form
-    # (above) and the stacked form 2-4 token chunks take, held to the same tolerance per tile.
-    pairs = [p for p in points if "dump_stacked_path_bundles" in p]
-    assert len(pairs) == 6 and {p["generation"] for p in pairs} == {"v5e", "v6e", "tpu7x"}
-    for p in pairs:
+    # The token-major dumps also hold the narrow path's other form: the pair path's stacked form
+    # (bf16) or the per-head path (8-bit), what 2-4 token chunks take, held to the same
+    # tolerance per tile; the compact form (pairs, quads) is the cheaper one.
+    others = [p for p in points if "dump_narrow_path_bundles" in p]
+    assert {(p["generation"], p["kv_dtype"]) for p in others} == {
+        (g, dt) for g in ("v5e", "v6e", "tpu7x") for dt in ("bfloat16", "int8", "float8_e4m3fn")
+    }
+    for p in others:
         gen, pr = tiling.GENERATIONS[p["generation"]], p["problem"]
         units = tiling.item_units(
             gen,
@@ -1047,13 +1160,14 @@ def test_decode_unit_model_within_tolerance_of_paged_dumps():
             head_dim=pr["head_dim"],
             kv_dtype=pr["kv_dtype"],
             token_major=True,
+            token_scales=pr.get("token_scales", pr["kv_dtype"] != "bfloat16"),
             compact=False,
         )
-        stacked = tiling._generations.tile_bundles(gen, tiles=1, **units)
-        assert stacked == pytest.approx(p["model_stacked_tile_bundles"], abs=1.0)
-        err = stacked / p["dump_stacked_path_bundles"] - 1
-        assert abs(err) <= tol, (p["generation"], p["tiles"], "stacked", err)
-        assert p["dump_path_bundles"] < p["dump_stacked_path_bundles"]  # compact is cheaper
+        narrow = tiling._generations.tile_bundles(gen, tiles=1, **units)
+        assert narrow == pytest.approx(p["model_narrow_tile_bundles"], abs=1.0)
+        err = narrow / p["dump_narrow_path_bundles"] - 1
+        assert abs(err) <= tol, (p["generation"], p["shape"], p["tiles"], "narrow", err)
+        assert p["dump_path_bundles"] < p["dump_narrow_path_bundles"]  # compact is cheaper
 
 
 def test_decode_cost_ranks_kv_blocks_by_unit_counts():
@@ -1128,8 +1242,6 @@ def test_8bit_token_major_decode_is_exact_for_every_byte(dtype):
 
 def _interpret_call(body, x, out_shape):
     """`body(x_ref, out_ref)` as a Pallas call in interpret mode, an f32 `out_shape` output."""
-    from jax.experimental import pallas as pl
-
     return pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct(out_shape, jax.numpy.float32),

@@ -46,11 +46,14 @@ used as they are: bitcast, the words of heads 2m and 2m + 1 are [2 * kv_tok, D] 
 2t + k = token t of head 2m + k, and the pair's q rows meet both heads' keys in one matmul, a
 score kept where the key's head is the row's (compute_head_pairs). A decode token owns G <= 8 of
 the 16 narrow rows, so head 2m + 1's rows ride 8 rows away in the same 16-row block, in rows the
-item does not own (compact form); an item of more rows stacks the pair's rows, [32, D]. The
-whole-q-block path widens each head's half of a word to f32 by a shift. The rest of the schedule
-is the head-major one. New tokens are written by `write_kv_token_major`, a second Pallas kernel
-in the same call: one DMA per token and cache moves the token's contiguous [Hkv, D] row into its
-page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
+item does not own (compact form); an item of more rows stacks the pair's rows, [32, D]. 8-bit
+slots on the narrow path are taken four heads at a time by items of at most 4 of the 16 rows (a
+decode token of G <= 4): the quad's words bitcast to [4 * kv_tok, D] 8-bit keys, widened to bf16
+whole, and heads 4j + 1..3's q rows ride in rows the item does not own (compute_head_quads);
+other 8-bit items unpack per head. The whole-q-block path widens each head's half of a word to
+f32 by a shift. The rest of the schedule is the head-major one. New tokens are written by
+`write_kv_token_major`, a second Pallas kernel in the same call: one DMA per token and cache
+moves the token's contiguous [Hkv, D] row into its page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
 ([num_blocks, Hkv, block_size], one lane-aligned row per page, DMA'd with the page) that multiply
 the scores (K) and the probabilities (V), and/or per-head scales (SMEM); the MXU sees the 8-bit
 values exactly widened to bf16. Attention sinks start each row's running max at its sink logit
@@ -145,6 +148,46 @@ def _token_major_head_8bit(
     return pltpu.bitcast(bits, jnp.float32).astype(jnp.bfloat16)
 
 
+def _write_spread_matrix(ref):
+    """ref [3 * T, 4 * T] bf16 (T = tiling.SPREAD_TOKENS) := the 0/1 matrix whose row (part, t)
+    is 1 at columns 4t..4t+3, the same block for each of the three bf16 parts of an f32 scale.
+    Written once per call, one bf16 sublane tile of rows at a time in a rolled loop
+    (straight-line, its 96 vregs were ~160 bundles of every grid step's code)."""
+    T = tiling.SPREAD_TOKENS
+    rows = tiling.row_tile(jnp.bfloat16)
+    shape = (rows, 4 * T)
+
+    def tile(c, carry):
+        r0 = pl.multiple_of(c * rows, rows)
+        t = lax.rem(r0 + lax.broadcasted_iota(jnp.int32, shape, 0), T)
+        n = lax.broadcasted_iota(jnp.int32, shape, 1)
+        ref[pl.ds(r0, rows), :] = ((n >> 2) == t).astype(jnp.bfloat16)
+        return carry
+
+    lax.fori_loop(0, 3 * T // rows, tile, 0)
+
+
+def _spread_scales(x, repeat):
+    """x [rows, tokens] f32 (tokens a multiple of T = tiling.SPREAD_TOKENS), repeat the
+    `_write_spread_matrix` matrix -> [tokens / T * rows, 4 * T] f32 whose row c * rows + h,
+    column n is x[h, c * T + n // 4], exactly: x cut in T-token chunks stacked along rows, split
+    into three bf16 parts (8 + 8 + 8 significant bits) laid side by side, times the 0/1 matrix
+    on the MXU, which sums the three exact products in f32."""
+    t = tiling.SPREAD_TOKENS
+    chunks = [x[:, c * t : (c + 1) * t] for c in range(x.shape[1] // t)]
+    lhs = jnp.concatenate(chunks, axis=0)
+    hi = lhs.astype(jnp.bfloat16)
+    rest = lhs - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jax.lax.dot_general(
+        jnp.concatenate([hi, mid, lo], axis=1),
+        repeat,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def _scores_one_ahead(n: int, scores, update):
     """Trace `scores(j + 1)` before `update(j, *scores(j))` for j < n: each MXU runs its matmuls
     in program order, so the next head's score matmul then fills it during this head's softmax."""
@@ -187,6 +230,7 @@ def _paged_kernel(
     token_scales: bool = False,
     static_scales: bool = False,
     sinks: bool = False,
+    quad_heads: bool = False,
 ):
     q_ref = refs[0]
     caches = refs[1 : 1 + n_arr]
@@ -204,6 +248,8 @@ def _paged_kernel(
     refs = refs[1 + n_arr :]
     if token_scales:  # VMEM slots of the items' scales: [2, Hkv, pages * block_size] each
         scale_bufs, refs = refs[:2], refs[2:]
+    if quad_heads and token_scales:  # compute_head_quads' per-token scale spreading
+        repeat_ref, spread_refs, refs = refs[0], refs[1:3], refs[3:]
     sem = refs[0]
     refs = refs[1:]
     if stream_pt:  # SMEM copies of two items' page-table rows, and their semaphores
@@ -225,6 +271,9 @@ def _paged_kernel(
     compact_pairs = pair_heads and tiling.compact_pairs(
         bufs[0].dtype, num_kv_heads, token_major, group, narrow
     )
+    # 8-bit token-major pages with `quad_heads` (tiling.quad_heads): decode items take their KV
+    # heads four at a time (compute_head_quads), per-token scales spread in chunks of tokens.
+    spread_chunks = kv_tok // tiling.SPREAD_TOKENS
 
     i = pl.program_id(0)
     nitems = nitems_ref[0]
@@ -364,6 +413,13 @@ def _paged_kernel(
     prev_qb = field("Q_BLOCK", jnp.maximum(i - 1, 0))
     next_qb = field("Q_BLOCK", jnp.minimum(i + 1, max_items - 1))
     first_of_block = (i == 0) | (qb != prev_qb)
+
+    if quad_heads and token_scales:
+
+        @pl.when(i == 0)
+        def _():
+            _write_spread_matrix(repeat_ref)
+
     last_of_block = (i == max_items - 1) | (qb != next_qb)
 
     # The q block's statistics are initialised and its output written once per q block, in
@@ -403,6 +459,11 @@ def _paged_kernel(
     r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
     r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
 
+    def valid_keys():
+        """Keys of this item's slot that are valid (the rest of its pages: past kv_len, or not
+        filled)."""
+        return jnp.minimum(npages * page_size, kv_len - first_page * page_size)
+
     def zero_stale_values():
         """Zero the value rows of this item's slot past its valid keys (past kv_len in the last
         page, and page slots the item did not fill): they may hold anything (NaN in TPU
@@ -410,7 +471,7 @@ def _paged_kernel(
         VMEM, only for the pages concerned (a loop with no trips for an item of full pages),
         instead of a select over every head's values in the compute path. Keys need nothing:
         their scores are replaced by a select."""
-        n_valid = jnp.minimum(npages * page_size, kv_len - first_page * page_size)
+        n_valid = valid_keys()
 
         def page(p, carry):
             valid = n_valid - p * page_size  # valid tokens of page slot p (<= 0: none)
@@ -470,6 +531,18 @@ def _paged_kernel(
         return (tok >= q_start) & (tok < q_end)
 
     def compute(r0, nr: int):
+        if nr == narrow and quad_heads:
+            # An item of at most nr / 4 rows (a decode token of G <= 4 heads) takes the quad
+            # path; larger items (prefill chunks) the per-head one.
+            @pl.when(r_hi - r_lo <= nr // 4)
+            def _():
+                compute_head_quads(r0, nr)
+
+            @pl.when(r_hi - r_lo > nr // 4)
+            def _():
+                compute_per_head(r0, nr)
+
+            return
         if nr == narrow and pair_heads:
             if not compact_pairs:
                 return compute_head_pairs(r0, nr, compact=False)
@@ -485,6 +558,9 @@ def _paged_kernel(
                 compute_head_pairs(r0, nr, compact=False)
 
             return
+        compute_per_head(r0, nr)
+
+    def compute_per_head(r0, nr: int):
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
         col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
         mask = item_mask(row, col)
@@ -662,6 +738,182 @@ def _paged_kernel(
         # As the per-head path: pair m + 1's key push and score matmul are traced before pair
         # m's probability matmul, so they fill the MXUs while pair m's softmax runs.
         _scores_one_ahead(num_kv_heads // 2, scores, update)
+
+    def compute_head_quads(r0, nr: int):
+        """The narrow path over 8-bit token-major pages for an item of at most nr / 4 rows (a
+        decode token of G <= 4 query heads per KV head), four KV heads at a time: a uint32 word of
+        the slot holds one token of heads 4j..4j+3, so the quad's words bitcast to 8-bit
+        [4 * kv_tok, D] keys with row 4t + k = token t of head 4j + k, and Mosaic widens them to
+        bf16 as a whole (one unpack per bf16 vreg on v6e / TPU7x; the per-head path extracted
+        each head's byte from every word with shifts and, for e4m3, an integer decode).
+
+        One [nr, D] left operand carries the four heads' q rows: the item's own rows
+        [off, off + n) hold head 4j's, and head 4j + k's row r rides in row r + k * nr / 4
+        (mod nr), rows the item does not own (a static sublane rotation of that head's rows).
+        Every row meets all 4 * kv_tok keys; a score is kept where the key's head (column % 4) is
+        the row's. Rows that are no head's (past the item's n rows in each quarter) are computed
+        and never stored, as are the other heads' scores of a row.
+
+        Scales: per-head static scales are per row (the row's head). Per-token scales need,
+        at score column 4t + k, the scale of head 4j + k's token t: a lane interleave of four
+        heads' scale rows, which Mosaic has no op for. The MXU makes it (`spread_token_scales`,
+        once per item for all heads): the slot's [Hkv, kv_tok] scales cut in 128-token chunks,
+        rows (chunk, head), times a 0/1 matrix repeating each token's scale over 4 columns give
+        [chunks * Hkv, 512], row (c, h) column n = head h's scale of token 128c + n // 4; a quad's
+        columns are then four sublane-strided loads of it (heads 4j..4j+3) and a select on
+        n % 4. Exact: the f32 scales go in as three bf16 parts (8 + 8 + 8 significant bits) side
+        by side against the matrix stacked three times, and the MXU sums them in f32."""
+        quarter = nr // 4
+        shape = (nr, 4 * kv_tok)
+        col = lax.broadcasted_iota(jnp.int32, shape, 1)
+        r1 = lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
+        own = own_rows(r0, nr)
+        # The row's head in the quad (0..3): which quarter of the rotation it sits in.
+        rel = lax.rem(r1 - (r_lo - r0) + nr, nr)
+        row_head = lax.div(rel, quarter)
+        src = lax.rem(r1 - row_head * quarter + nr, nr)  # the q row it carries
+        # Which scores are kept: column 4t + k is key t of head k, kept on the rows of head k
+        # where key t is valid and visible to the row's token, i.e. inside one interval of
+        # columns per row ([4 * first, 4 * end) for keys [first, end)). Only the item's own
+        # rows are stored, so the row's token need not be tested (the other rows' intervals
+        # are whatever their tokens give, and never read).
+        tok = blk_tok0 + lax.div(r0 + src, group)
+        qpos = kv_len - (q_end - q_start) + (tok - q_start) - first_page * page_size
+        end = jnp.full((nr, 1), valid_keys(), jnp.int32)
+        if causal:
+            end = jnp.minimum(end, qpos + 1)
+        keep = (col < 4 * end) & ((col & 3) == row_head)
+        if causal and sliding_window is not None:
+            keep &= col >= 4 * (qpos - sliding_window + 1)
+        log2e = math.log2(math.e)
+        rs = pl.ds(r0, nr)
+        byte_dtype = jnp.float8_e4m3fn if quant == "fp8" else jnp.int8
+
+        if token_scales:
+
+            def spread_token_scales(a):
+                x = scale_bufs[a][slot]  # [Hkv, kv_tok]
+                tok = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                # Stale slots may hold NaN: it would spread over its whole chunk row.
+                x = jnp.where(tok < valid_keys(), x, 0.0)
+                spread = _spread_scales(x, repeat_ref[...])
+                # Stored as 4 lane blocks [4, chunks * Hkv, 128]: Mosaic's strided loads need
+                # 128-lane rows.
+                t = tiling.SPREAD_TOKENS
+                for b in range(4):
+                    spread_refs[a][b] = spread[:, b * t : (b + 1) * t]
+
+            spread_token_scales(0)
+            spread_token_scales(1)
+
+            def by_columns(x, a, j, factor=1.0):
+                """x [nr, 4 * kv_tok] times the quad's per-token scales of cache a at its
+                columns (column 4t + k: head 4j + k's scale of token t), times `factor` (a
+                constant riding on the [chunks, 512] scales, not on every score)."""
+                width = 4 * tiling.SPREAD_TOKENS
+                lane = lax.broadcasted_iota(jnp.int32, (spread_chunks, width), 1) & 3
+                rows = [
+                    jnp.concatenate(
+                        [
+                            spread_refs[a].at[b][
+                                pl.ds(4 * j + k, spread_chunks, stride=num_kv_heads), :
+                            ]
+                            for b in range(4)
+                        ],
+                        axis=1,
+                    )
+                    for k in range(4)
+                ]
+                e = rows[3]
+                for k in (2, 1, 0):
+                    e = jnp.where(lane == k, rows[k], e)
+                if factor != 1.0:
+                    e = e * factor
+                return jnp.concatenate(
+                    [
+                        x[:, c * width : (c + 1) * width] * e[c : c + 1]
+                        for c in range(spread_chunks)
+                    ],
+                    axis=1,
+                )
+
+        def quad_kv(j):
+            def load(a):
+                view = bufs[a].bitcast(jnp.uint32)
+                if num_kv_heads == 4:
+                    w = view[slot]
+                else:
+                    w = view[slot, pl.ds(j, kv_tok, stride=num_kv_heads // 4), :]
+                return pltpu.bitcast(w, byte_dtype).astype(jnp.bfloat16)
+
+            return load(0), load(1)
+
+        def per_row(values):
+            """[nr, 1]: values[k] on the rows of head 4j + k."""
+            out = jnp.full((nr, 1), values[3], jnp.float32)
+            for k in (2, 1, 0):
+                out = jnp.where(row_head == k, values[k], out)
+            return out
+
+        def load(ref, j):
+            """(the quad's rows of `ref` as the LHS lays them out, the four heads' rows as
+            read). 16-bit q is rotated in f32, where a sublane rotation moves whole words."""
+            xs = [ref[4 * j + k, rs, :] for k in range(4)]
+            y = xs[0].astype(jnp.float32)
+            for k in range(1, 4):
+                rolled = pltpu.roll(xs[k].astype(jnp.float32), k * quarter, 0)
+                y = jnp.where(row_head == k, rolled, y)
+            return y.astype(xs[0].dtype), xs
+
+        def store(ref, j, x, read):
+            for k in range(4):
+                back = x if k == 0 else pltpu.roll(x, nr - k * quarter, 0)
+                ref[4 * j + k, rs, :] = jnp.where(own, back, read[k])
+
+        def scores(j):
+            k, v = quad_kv(j)
+            s = jax.lax.dot_general(
+                load(q_ref, j)[0], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            # The softmax scale (and log2(e), or 1 / soft cap) rides on the column scales where
+            # there are any, else on the per-row static scales, else it is one multiply.
+            factor = sm_scale / soft_cap if soft_cap is not None else sm_scale * log2e
+            if token_scales and not static_scales:
+                s = by_columns(s, 0, j, factor)
+            else:
+                if token_scales:
+                    s = by_columns(s, 0, j)
+                if static_scales:
+                    factor = per_row([static_ref[0, 4 * j + k] for k in range(4)]) * factor
+                s = s * factor
+            if soft_cap is not None:
+                s = jnp.tanh(s) * (soft_cap * log2e)
+            return jnp.where(keep, s, -jnp.inf), v
+
+        def update(j, s, v):
+            m_prev, m_read = load(m_ref, j)
+            l_prev, l_read = load(l_ref, j)
+            acc_prev, acc_read = load(acc_ref, j)
+            m_prev = m_prev * log2e
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(s - m_new)
+            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            if token_scales:  # V's per-token scales fold into the probabilities
+                p = by_columns(p, 1, j)
+            pv = jax.lax.dot_general(
+                p.astype(jnp.bfloat16),
+                v,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            if static_scales:
+                pv = pv * per_row([static_ref[1, 4 * j + k] for k in range(4)])
+            store(m_ref, j, m_new * (1.0 / log2e), m_read)
+            store(l_ref, j, l_new, l_read)
+            store(acc_ref, j, alpha * acc_prev + pv, acc_read)
+
+        _scores_one_ahead(num_kv_heads // 4, scores, update)
 
     active = (i < nitems) & (npages > 0)
 
@@ -1010,6 +1262,10 @@ def _attention(
     else:
         pt_smem, pt_hbm = page_table.reshape(-1), []
 
+    unpack_u32 = not _tpu_interpret_mode(interpret)
+    quad_heads = unpack_u32 and tiling.quad_heads(
+        kv_dtype, hkv, group, tiling.narrow_rows(group, rows), token_scales is not None
+    )
     kernel = functools.partial(
         _paged_kernel,
         n_arr=n_arr,
@@ -1028,18 +1284,24 @@ def _attention(
         causal=causal,
         stream_pt=stream_pt,
         token_major=token_major,
-        unpack_u32=not _tpu_interpret_mode(interpret),
+        unpack_u32=unpack_u32,
         word_stores=not interpret and not _tpu_interpret_mode(interpret),
         quant=quant,
         token_scales=token_scales is not None,
         static_scales=head_scales is not None,
         sinks=sinks is not None,
+        quad_heads=quad_heads,
     )
     extra_in, extra_specs, scale_scratch = [], [], []
     if token_scales is not None:
         extra_in += token_scales
         extra_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
         scale_scratch = [pltpu.VMEM((2, hkv, ppb * page_size), jnp.float32) for _ in range(2)]
+        if quad_heads:
+            t = tiling.SPREAD_TOKENS
+            scale_scratch += [
+                pltpu.VMEM((3 * t, 4 * t), jnp.bfloat16),
+            ] + [pltpu.VMEM((4, ppb * page_size // t * hkv, t), jnp.float32)] * 2
     if head_scales is not None:
         extra_in.append(head_scales)
         extra_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))

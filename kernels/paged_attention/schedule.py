@@ -124,12 +124,13 @@ def build_work_list(
     return work, total.astype(xp.int32)
 
 
-def compute_paths(*, rows: int, narrow: int, compact: bool = False) -> tuple[str, ...]:
+def compute_paths(*, rows: int, narrow: int, compact: int = 0) -> tuple[str, ...]:
     """The compute paths the kernel compiles, in program order (kernel.py `compute`): "compact",
-    the KV-head pair path's compact form for items of at most narrow / 2 rows (compiled where
-    tiling.compact_pairs holds); "narrow", the `narrow`-row slice holding a decode token's G heads
-    (the pair path's stacked form where heads are paired); "whole", the q block's `rows` rows
-    (not compiled when narrow >= rows: the narrow code then takes every item)."""
+    the narrow path's form for items of at most `compact` rows (0: not compiled;
+    tiling.compact_rows: the KV-head pair path's compact form, or the 8-bit quad path);
+    "narrow", the `narrow`-row slice holding a decode token's G heads (the pair path's stacked
+    form where heads are paired, per KV head otherwise); "whole", the q block's `rows` rows (not
+    compiled when narrow >= rows: the narrow code then takes every item)."""
     return ("compact",) * bool(compact) + ("narrow",) + ("whole",) * (narrow < rows)
 
 
@@ -141,23 +142,23 @@ def compute_path(
     block_q: int,
     group: int,
     narrow: int,
-    compact: bool = False,
+    compact: int = 0,
 ) -> str:
     """The compute path (`compute_paths`) an item of q block `q_block` runs for the sequence
     whose tokens are [q_start, q_end) of the packed batch, `group` rows each: "whole" unless
-    its rows sit in one `narrow`-row slice; there "compact" when the compact pair form is
-    compiled and the item holds at most narrow / 2 rows, else "narrow"."""
+    its rows sit in one `narrow`-row slice; there "compact" when the item holds at most
+    `compact` rows, else "narrow"."""
     rows = block_q * group
     b0 = q_block * block_q
     r_lo = (max(q_start, b0) - b0) * group
     r_hi = (min(q_end, b0 + block_q) - b0) * group
     if narrow < rows and r_lo // narrow != (r_hi - 1) // narrow:
         return "whole"
-    return "compact" if compact and r_hi - r_lo <= narrow // 2 else "narrow"
+    return "compact" if r_hi - r_lo <= compact else "narrow"
 
 
 def path_runs(
-    items, q_lens, *, block_q: int, group: int, narrow: int, compact: bool = False
+    items, q_lens, *, block_q: int, group: int, narrow: int, compact: int = 0
 ) -> dict[str, int]:
     """Busy items (those with pages) per compute path, keyed in `compute_paths` order: the
     steps that take each path, from `host_work_list`'s items for the sequences' `q_lens`."""

@@ -149,6 +149,15 @@ def vmem_need_bytes(
     # overran the limit asked for by ~0.1 MiB), and one head's keys and values widened.
     temps = 4 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
     scales = 2 * 2 * _round_up(num_kv_heads, 8) * kv_tokens * 4 if token_scales else 0
+    if quad_heads(kv_dtype, num_kv_heads, group, narrow_rows(group, rows), token_scales):
+        # kernel.py compute_head_quads: two quads' keys and values widened to bf16 in flight
+        # (the next quad's score matmul is traced before this one's probabilities), [4 *
+        # kv_tokens, D] each; with per-token scales the 0/1 spreading matrix and the spread K and
+        # V scales.
+        temps += 2 * 2 * 4 * kv_tokens * head_dim * 2
+        if token_scales:
+            t = SPREAD_TOKENS
+            scales += 3 * t * 4 * t * 2 + 2 * (kv_tokens // t) * num_kv_heads * 4 * t * 4
     sink_rows = 2 * num_kv_heads * rows * _NEG_LANES * 4 if sinks else 0
     return kv_slots + q_out + acc + stats + temps + scales + sink_rows
 
@@ -300,12 +309,27 @@ def choose_config(
 #   (`compact_pairs`: head 2m + 1's rows ride in the rows the item does not own), half the score
 #   vregs and nothing spilled: COMPACT_PAIR_LOAD_FACTOR, fitted on the same points' compact
 #   regions (each dump holds both forms; the stacked one still checks PAIR_LOAD_FACTOR);
+# - 8-bit pages on the narrow path: a decode item takes the quad path (`quad_heads`, kernel.py
+#   compute_head_quads: four KV heads per pass, the keys and values widened to bf16 whole), as
+#   many score vregs and MXU pushes as the per-head path, VALU-bound: QUAD_VALU_PER_SCORE_VREG
+#   VALU ops per f32 score vreg (mask, softmax, the q / statistics rotations, bf16 packing),
+#   QUAD_WIDEN_VALU[cache] per f32 vreg of keys and values (int8: Mosaic's unpack, 0.5 on v6e /
+#   TPU7x as counted, one op per bf16 vreg; e4m3: native on TPU7x, emulated on v5e / v6e),
+#   QUAD_HEAD_VALU per KV head (what does not scale with the keys) and, with per-token scales,
+#   QUAD_TOKEN_SCALE_VALU per score vreg (the scales spread on the MXU, their selects and the two
+#   column multiplies) in place of the per-head path's 3; per generation, fitted on the re-dumped
+#   8-bit points (per-token scales at 4 and 8 pages, per-head scales at 8 pages), v5e's score
+#   figure taken from v6e's (its 2 int8 points cannot separate it from the widening);
 # - the grid step's own code outside the compute paths (the page DMA issue and wait loops with
 #   their partial-page chunk branches, the stale-value zeroing of one page slot, the q block's
 #   init and write-back) goes through the shared step terms (step_vregs): the vregs it moves plus
 #   PAGED_STEP_STREAM_VREGS per cache array DMA'd (one head-major, K and V token-major), the mean
 #   of what each generation's calibration steps imply (the shared step_fixed_bundles and
-#   step_vreg_bundles alone under-count the paged step by 35-55%).
+#   step_vreg_bundles alone under-count the paged step by 35-55%); per-token scale pages add
+#   two page loops without partial-page chunks, PAGED_SCALE_STREAM_SHARE of a stream each (the
+#   dumps put them at +75-107 bundles a step over per-head scales, but the step model's base
+#   is off by -13% to +8% per generation on the 8-bit steps; 0.1 gives the smallest worst
+#   busy-step error over the points, 5.1%).
 PAGED_LOAD_ISSUE = {"v5e": 1.34, "v6e": 1.58, "tpu7x": 2.88}
 PAGED_HEAD_LOADS = {"v5e": 40.0, "v6e": 20.0, "tpu7x": 10.0}
 PAGED_VALU_PER_SCORE_VREG = 10.7
@@ -320,6 +344,14 @@ PAGED_VALU_ISSUE = {"v5e": 1.15, "v6e": 1.0, "tpu7x": 1.045}
 PAIR_VALU_PER_SCORE_VREG = 11.7
 PAIR_LOAD_FACTOR = 1.3
 COMPACT_PAIR_LOAD_FACTOR = 0.94
+QUAD_VALU_PER_SCORE_VREG = {"v5e": 11.9, "v6e": 11.9, "tpu7x": 14.9}
+QUAD_WIDEN_VALU = {
+    "int8": {"v5e": 1.2, "v6e": 0.5, "tpu7x": 0.5},
+    "float8_e4m3fn": {"v5e": 4.1, "v6e": 4.6, "tpu7x": 0.5},
+}
+QUAD_HEAD_VALU = {"v5e": 88.0, "v6e": 58.0, "tpu7x": 17.0}
+QUAD_TOKEN_SCALE_VALU = {"v5e": 7.3, "v6e": 7.8, "tpu7x": 3.9}
+PAGED_SCALE_STREAM_SHARE = 0.1
 PAGED_STEP_STREAM_VREGS = {"v5e": 155.0, "v6e": 275.0, "tpu7x": 200.0}
 # The model's error on a busy decode step (max |error| over "paged_points": 4.9%, v6e's 8-page
 # head-major point): candidates within it of the fastest are ties, ordered by the
@@ -354,6 +386,46 @@ def compact_pairs(kv_dtype, num_kv_heads: int, token_major: bool, group: int, na
     return pair_heads(kv_dtype, num_kv_heads, token_major) and 2 * group <= narrow
 
 
+# Tokens per chunk of the quad path's per-token scale spreading (kernel.py compute_head_quads):
+# one lane row of a head's scales, spread over 4 * SPREAD_TOKENS score columns.
+SPREAD_TOKENS = 128
+
+
+def quad_heads(kv_dtype, num_kv_heads: int, group: int, narrow: int, token_scales: bool) -> bool:
+    """Whether the narrow (decode) path computes a decode item's KV heads four at a time (kernel.py
+    compute_head_quads): 8-bit pages (token-major) with a multiple of 4 KV heads, where one
+    uint32 word holds one token of four heads, and a decode token's G rows fit a quarter of the
+    narrow rows (the other three heads ride in the rows the item does not own); items of more
+    rows take the per-head path. With per-token scales the item's scales are spread by one
+    matmul over all KV heads' rows, which takes whole sublane tiles of heads: a multiple of 8
+    KV heads."""
+    return (
+        _itemsize(kv_dtype) == 1
+        and num_kv_heads % (8 if token_scales else 4) == 0
+        and narrow % 4 == 0
+        and 4 * group <= narrow
+    )
+
+
+def compact_rows(
+    kv_dtype,
+    num_kv_heads: int,
+    token_major: bool,
+    group: int,
+    narrow: int,
+    token_scales: bool = False,
+) -> int:
+    """The most rows an item may hold to take the narrow path's compact form, 0 where none is
+    compiled (schedule.compute_paths): the 8-bit quad path's narrow / 4 (`quad_heads`), the
+    16-bit pair path's narrow / 2 (`compact_pairs`): what the cost model and the benchmarks'
+    step counts charge; the kernel compiles those two paths by the same two rules."""
+    if quad_heads(kv_dtype, num_kv_heads, group, narrow, token_scales):
+        return narrow // 4
+    if compact_pairs(kv_dtype, num_kv_heads, token_major, group, narrow):
+        return narrow // 2
+    return 0
+
+
 def item_units(
     gen: TpuGeneration,
     *,
@@ -373,11 +445,25 @@ def item_units(
     VALU ops (softmax per score vreg, unpacking per f32 vreg of keys and values, the
     per-key scales' multiplies), and VMEM loads (the cache's K and V vregs and the per-head
     loads, times the generation's PAGED_LOAD_ISSUE). `narrow`: the item takes the narrow path
-    (`pair_heads` applies there); `compact`: the pair path's compact form (`compact_pairs`)."""
+    (`pair_heads` applies there); `compact`: the narrow path's compact form (`compact_rows`:
+    the pair path's compact form, or the 8-bit quad path)."""
     dp = _round_up(head_dim, 128)
     kv_f32_vregs = 2 * kv_tokens * dp / 1024
     kv_loaded = 2 * kv_tokens * dp * _itemsize(kv_dtype) / 4096
-    if narrow and pair_heads(kv_dtype, num_kv_heads, token_major):
+    # v5p (no dump read) takes v5e's factors, as tpu_generations gives it v5e's bundle model.
+    name = gen.name if gen.name in PAGED_LOAD_ISSUE else "v5e"
+    scale_valu = 3.0
+    if narrow and compact and _itemsize(kv_dtype) == 1:
+        # The 8-bit quad path: per head, a quarter of a quad's [rows, 4 kv_tokens] scores and
+        # matmuls (as many as the per-head path), the keys and values widened to bf16 whole.
+        score_vregs = rows * kv_tokens / 1024
+        widen = QUAD_WIDEN_VALU[_variant(kv_dtype, True)][name]
+        valu = QUAD_VALU_PER_SCORE_VREG[name] * score_vregs + widen * kv_f32_vregs
+        valu += QUAD_HEAD_VALU[name]
+        scale_valu = QUAD_TOKEN_SCALE_VALU[name]
+        pushes = _generations.mxu_pushes(gen, rows, dp, kv_tokens)
+        pushes += _generations.mxu_pushes(gen, rows, kv_tokens, dp)
+    elif narrow and pair_heads(kv_dtype, num_kv_heads, token_major):
         # Per head: half of a pair's scores and of its matmuls, [2 rows, 2 kv_tokens] stacked,
         # [rows, 2 kv_tokens] compact.
         lhs_rows = rows if compact else 2 * rows
@@ -393,9 +479,7 @@ def item_units(
         pushes = _generations.mxu_pushes(gen, rows, dp, kv_tokens)
         pushes += _generations.mxu_pushes(gen, rows, kv_tokens, dp)
     if token_scales:  # the K scale multiply and the V scale multiply and select, per score vreg
-        valu += 3 * score_vregs
-    # v5p (no dump read) takes v5e's factors, as tpu_generations gives it v5e's bundle model.
-    name = gen.name if gen.name in PAGED_LOAD_ISSUE else "v5e"
+        valu += scale_valu * score_vregs
     load_issue = PAGED_LOAD_ISSUE[name]
     head_loads = PAGED_HEAD_LOADS[name]
     return {
@@ -427,6 +511,8 @@ def step_vregs(
     zero = 2 * page if token_major else 2 * page / 2  # head-major: the V half of the page
     qblock = 2 * num_kv_heads * chunk * (dp + 2 * _NEG_LANES) * 4 / 4096
     streams = 2 if token_major else 1
+    if token_scales:  # the K and V scale pages: two more page loops, without partial chunks
+        streams += 2 * PAGED_SCALE_STREAM_SHARE
     name = gen.name if gen.name in PAGED_STEP_STREAM_VREGS else "v5e"
     return zero + qblock + streams * PAGED_STEP_STREAM_VREGS[name]
 
@@ -445,7 +531,7 @@ def _busy_step_units(
     token_scales,
 ) -> tuple[dict, float]:
     """(item_units of the compute path a decode item takes at these tiles, over `kv_tokens` keys:
-    its `narrow_rows`, in the compact pair form where that is compiled; the step_vregs of its grid
+    its `narrow_rows`, in the compact form (pairs or quads) where that is compiled; the step_vregs of its grid
     step's own code for the q block's block_q * group rows): one busy decode step as the ranking
     charges it. 8-bit caches are token-major."""
     rows = narrow_rows(group, block_q * group)
@@ -457,7 +543,7 @@ def _busy_step_units(
         kv_tokens=kv_tokens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        compact=compact_pairs(kv_dtype, num_kv_heads, token_major, group, rows),
+        compact=compact_rows(kv_dtype, num_kv_heads, token_major, group, rows, token_scales) > 0,
         **variant,
     )
     per_step = step_vregs(
@@ -531,7 +617,7 @@ def decode_cost(
     block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
     once, q read and o written once, the work list in SMEM, and per item the unit counts of the
     path a decode item takes (`_busy_step_units`: `item_units` on `narrow_rows` rows, which are
-    the whole q block when no narrow path is compiled, in the compact pair form where that is
+    the whole q block when no narrow path is compiled, in the compact form (pairs or quads) where that is
     compiled) over its KV block, and the step's own code (`step_vregs`). Larger KV blocks
     amortise the per-item and per-step fixed bundles; block_q changes none of this and is left
     to the tie-break (larger q blocks re-read a prefill's KV fewer times, which this batch does
@@ -723,7 +809,9 @@ def traffic(
         token_major=token_major or _itemsize(kv_dtype) == 1,
         token_scales=token_scales,
     )
-    compact = compact_pairs(kv_dtype, num_kv_heads, variant["token_major"], group, nr)
+    compact = compact_rows(
+        kv_dtype, num_kv_heads, variant["token_major"], group, nr, token_scales=token_scales
+    )
     runs = path_runs(items, q_lens, block_q=bq, group=group, narrow=nr, compact=compact)
     # Issued MXU FLOPs: a narrow item's nr rows per KV head, a whole-block item's rows.
     mxu = sum(
@@ -930,6 +1018,8 @@ __all__ = [
     "choose_config",
     "choose_tiles",
     "compact_pairs",
+    "compact_rows",
+    "quad_heads",
     "compute_path",
     "compute_paths",
     "estimate_cost",
