@@ -142,6 +142,21 @@ def _moe(prefix, tokens, experts, top_k, hidden, inter, gated=True):
     ]
 
 
+def _llama_decode_token_major(suffix: str, **cache) -> PagedShape:
+    """Llama-3-8B decoding 64 sequences of 8192 tokens over token-major pages of 128 (the
+    `llama3_8b_decode_b64_ctx8192` batch), named `..._{suffix}`; `cache`: kv_dtype / kv_scales."""
+    return PagedShape(
+        f"llama3_8b_decode_b64_ctx8192_{suffix}",
+        tuple((1, 8192) for _ in range(64)),
+        32,
+        8,
+        128,
+        page_size=128,
+        layout="token_major",
+        **cache,
+    )
+
+
 NAMED = {
     "ragged_dot": [
         # Qwen3-30B-A3B: hidden 2048, expert intermediate 768, 128 experts, top-8.
@@ -205,61 +220,15 @@ NAMED = {
         PagedShape("llama3_8b_decode_b1_ctx131072", ((1, 131072),), 32, 8, 128, page_size=128),
         # The decode batch over the caches flash-attn / vLLM / Transformers keep (token-major
         # K and V), in bf16 and quantised to int8 with per-token-per-head scales.
-        PagedShape(
-            "llama3_8b_decode_b64_ctx8192_token_major",
-            tuple((1, 8192) for _ in range(64)),
-            32,
-            8,
-            128,
-            page_size=128,
-            layout="token_major",
-        ),
-        PagedShape(
-            "llama3_8b_decode_b64_ctx8192_int8",
-            tuple((1, 8192) for _ in range(64)),
-            32,
-            8,
-            128,
-            page_size=128,
-            layout="token_major",
-            kv_dtype="int8",
-        ),
+        _llama_decode_token_major("token_major"),
+        _llama_decode_token_major("int8", kv_dtype="int8"),
         # The same batch over float8_e4m3fn pages (per-token-per-head scales): the int8 row's
         # bytes, its pages decoded with integer ops (no 8-bit float unit on v5e). The anchor
         # keeps its own bf16 cache, as for int8 (it has no 8-bit KV path to compare).
-        PagedShape(
-            "llama3_8b_decode_b64_ctx8192_fp8",
-            tuple((1, 8192) for _ in range(64)),
-            32,
-            8,
-            128,
-            page_size=128,
-            layout="token_major",
-            kv_dtype="float8_e4m3fn",
-        ),
+        _llama_decode_token_major("fp8", kv_dtype="float8_e4m3fn"),
         # The int8 and e4m3 batches with per-head static scales only (no per-token scales).
-        PagedShape(
-            "llama3_8b_decode_b64_ctx8192_int8_head_scales",
-            tuple((1, 8192) for _ in range(64)),
-            32,
-            8,
-            128,
-            page_size=128,
-            layout="token_major",
-            kv_dtype="int8",
-            kv_scales="head",
-        ),
-        PagedShape(
-            "llama3_8b_decode_b64_ctx8192_fp8_head_scales",
-            tuple((1, 8192) for _ in range(64)),
-            32,
-            8,
-            128,
-            page_size=128,
-            layout="token_major",
-            kv_dtype="float8_e4m3fn",
-            kv_scales="head",
-        ),
+        _llama_decode_token_major("int8_head_scales", kv_dtype="int8", kv_scales="head"),
+        _llama_decode_token_major("fp8_head_scales", kv_dtype="float8_e4m3fn", kv_scales="head"),
     ],
 }
 

@@ -188,6 +188,18 @@ def _spread_scales(x, repeat):
     )
 
 
+def _base2_softmax_step(m_prev, l_prev, s):
+    """One online-softmax step on base-2 scores s [rows, keys] (log2(e) already folded in): the
+    running max m_prev (natural units, as the statistics are stored) and denominator l_prev
+    [rows, 1] -> (new max in base-2 units, rescale factor alpha, probabilities, new denominator).
+    exp2 is the EUP's op; dropped scores (-inf) give 0."""
+    m_prev = m_prev * math.log2(math.e)
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha = jnp.exp2(m_prev - m_new)
+    p = jnp.exp2(s - m_new)
+    return m_new, alpha, p, alpha * l_prev + p.sum(axis=1, keepdims=True)
+
+
 def _scores_one_ahead(n: int, scores, update):
     """Trace `scores(j + 1)` before `update(j, *scores(j))` for j < n: each MXU runs its matmuls
     in program order, so the next head's score matmul then fills it during this head's softmax."""
@@ -720,11 +732,7 @@ def _paged_kernel(
             m_prev, m_read = load(m_ref, m)
             l_prev, l_read = load(l_ref, m)
             acc_prev, acc_read = load(acc_ref, m)
-            m_prev = m_prev * log2e
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            alpha = jnp.exp2(m_prev - m_new)
-            p = jnp.exp2(s - m_new)
-            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
             pv = jax.lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
@@ -894,11 +902,7 @@ def _paged_kernel(
             m_prev, m_read = load(m_ref, j)
             l_prev, l_read = load(l_ref, j)
             acc_prev, acc_read = load(acc_ref, j)
-            m_prev = m_prev * log2e
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            alpha = jnp.exp2(m_prev - m_new)
-            p = jnp.exp2(s - m_new)
-            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
             if token_scales:  # V's per-token scales fold into the probabilities
                 p = by_columns(p, 1, j)
             pv = jax.lax.dot_general(
