@@ -349,31 +349,62 @@ class PagedAttention(Adapter):
             token_major=shape.layout == "token_major",
         )
 
-    def schedule_trips(self, shape, generation):
-        """Steps per compute path, from the kernel's own work list (tiling.path_runs): an item
-        whose rows sit in one narrow slice of its q block (a decode token's G heads) takes the
-        narrow path, in its compact form (KV-head pairs or 8-bit quads) where that is compiled
-        and the item holds at most tiling.compact_rows rows; any other item with pages the whole-q-block path (tiling.compute_paths
-        gives the program order). Empty items and the steps past the list take none."""
+    def _work_list(self, shape, generation):
+        """The work list the kernel builds for the shape at its default tiles (host_work_list),
+        with the tiles and the q block's rows."""
         T = self.mod.tiling
-        q_lens = [q for q, _ in shape.seqs]
-        kv_lens = [kv for _, kv in shape.seqs]
         cfg = self._config(shape, generation)
-        bq = cfg.block_q
-        group = shape.q_heads // shape.kv_heads
-        rows = bq * group
-        narrow = T.narrow_rows(group, rows)
-        nqb = -(-max(shape.q_tokens, 1) // bq)
+        rows = cfg.block_q * (shape.q_heads // shape.kv_heads)
         items = T.host_work_list(
-            q_lens,
-            kv_lens,
-            block_q=bq,
-            num_q_blocks=nqb,
+            [q for q, _ in shape.seqs],
+            [kv for _, kv in shape.seqs],
+            block_q=cfg.block_q,
+            num_q_blocks=-(-max(shape.q_tokens, 1) // cfg.block_q),
             page_size=shape.page_size,
             pages_per_block=cfg.pages_per_block,
             sliding_window=shape.window,
             causal=True,
         )
+        return items, cfg, rows
+
+    def step_loops(self, shape, generation) -> dict:
+        """The grid step's rolled loops outside its compute paths by name, program order, with
+        their iterations over the call (tiling.step_loop_trips; schedule_model.align_loop_trips
+        puts them on the compiled step's loops)."""
+        T = self.mod.tiling
+        items, cfg, rows = self._work_list(shape, generation)
+        group = shape.q_heads // shape.kv_heads
+        token_major = shape.layout == "token_major"
+        return T.step_loop_trips(
+            items,
+            [kv for _, kv in shape.seqs],
+            rows=rows,
+            out_dtype=shape.dtype,
+            kv_dtype=shape.cache_dtype,
+            num_kv_heads=shape.kv_heads,
+            token_major=token_major,
+            page_size=shape.page_size,
+            pages_per_block=cfg.pages_per_block,
+            spread_matrix=shape.token_scales
+            and token_major
+            and T.quad_heads(
+                shape.cache_dtype, shape.kv_heads, group, T.narrow_rows(group, rows), True
+            ),
+        )
+
+    def schedule_trips(self, shape, generation):
+        """Steps per compute path, from the kernel's own work list (tiling.path_runs): an item
+        whose rows sit in one narrow slice of its q block (a decode token's G heads) takes the
+        narrow path, in its compact form (KV-head pairs or 8-bit quads) where that is compiled
+        and the item holds at most tiling.compact_rows rows; any other item with pages the
+        whole-q-block path (tiling.compute_paths gives the program order). Empty items and the
+        steps past the list take none. The step's rolled loops (page DMA issue and wait,
+        stale-slot zeroing, the q block's init and write-back) are charged by their iterations
+        over the call (`step_loops`)."""
+        T = self.mod.tiling
+        items, cfg, rows = self._work_list(shape, generation)
+        group = shape.q_heads // shape.kv_heads
+        narrow = T.narrow_rows(group, rows)
         compact = T.compact_rows(
             shape.cache_dtype,
             shape.kv_heads,
@@ -382,9 +413,15 @@ class PagedAttention(Adapter):
             narrow,
             token_scales=shape.token_scales,
         )
-        return paged_trips(
-            T.path_runs(items, q_lens, block_q=bq, group=group, narrow=narrow, compact=compact)
+        runs = T.path_runs(
+            items,
+            [q for q, _ in shape.seqs],
+            block_q=cfg.block_q,
+            group=group,
+            narrow=narrow,
+            compact=compact,
         )
+        return {**paged_trips(runs), "loop_trips": self.step_loops(shape, generation)}
 
     def _fn(self, shape, generation, tiles=None):
         kern = self.mod.kernel

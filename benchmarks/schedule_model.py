@@ -237,6 +237,7 @@ def work_model_inputs(
     if grid is None or hot is None:
         return out
     mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
+    branches = _mxu_branches(sched, mxu_regions, nested=nested_paths)
     # The step's alternative MXU paths, each with its static bundles and MXU pushes (loop bodies
     # counted once): what `branch_runs` / `branch_pushes` charge.
     out.update(
@@ -244,10 +245,8 @@ def work_model_inputs(
         # every predicated region of the step (relative to the grid loop): what tells the regions
         # that run once per output tile and the sides one step chooses from (`step_regions`)
         regions=_region_rows(sched, grid),
-        mxu_branches=[
-            [r.bundles, sched.region_segment(r).mxu_pushes]
-            for r in _mxu_branches(sched, mxu_regions, nested=nested_paths)
-        ],
+        mxu_branches=[[r.bundles, sched.region_segment(r).mxu_pushes] for r in branches],
+        step_loops=_step_loops(sched, grid, branches),
     )
     if hot is grid:
         out.update(
@@ -285,6 +284,103 @@ def work_model_inputs(
                 sum(side_bundles) / len(side_bundles) if side_bundles else 0.0
             ),
         )
+    return out
+
+
+def _step_loops(sched: Schedule, grid, paths) -> list[list[int]]:
+    """The rolled loops of a grid step outside its MXU work (inside none of its alternative
+    `paths` and with no MXU pushes of their own), nested ones included, in program order:
+    [start, end, own bundles, parent, DMA ops, branch bundles] with start / end relative to the
+    grid loop, `parent` the index of the enclosing listed loop (-1: directly in the step), `DMA
+    ops` the DMA issues and waits of its own bundles and `branch bundles` those of its own bundles
+    inside forward branches (`pl.when` bodies an iteration may skip; a branch around a nested loop
+    is not one). A static count reads each loop's body once; a kernel whose work list says how
+    often each runs (`loop_trips`, `align_loop_trips`) is charged by it."""
+
+    def compute(lp) -> bool:
+        inside = any(r.start <= lp.start and lp.end <= r.end for r in paths)
+        return inside or sched.loop_segment(lp).mxu_pushes > 0
+
+    out: list[list[int]] = []
+    index: dict[int, int] = {}
+
+    def visit(lp, parent: int) -> None:
+        for child in lp.children:
+            if compute(child):
+                continue
+            index[child.start] = len(out)
+            dma = sched.loop_segment(child, own=True).ops.get("dma", 0)
+            out.append(
+                [
+                    child.start - grid.start,
+                    child.end - grid.start,
+                    child.own_bundles,
+                    parent,
+                    dma,
+                    _branch_bundles(sched, child),
+                ]
+            )
+            visit(child, index[child.start])
+
+    visit(grid, -1)
+    return out
+
+
+def _branch_bundles(sched: Schedule, loop) -> int:
+    """Bundles of `loop`'s own body inside forward branches: `pl.when` bodies an iteration may
+    skip. A branch mostly taken by a nested loop is that loop's guard (it skips the loop when it
+    has no trips), not a body branch; nested loops' own bundles are theirs."""
+    total = 0
+    for r in sched.regions(loop):
+        if any(c.start <= r.start and r.end <= c.end for c in loop.children):
+            continue  # inside a nested loop: that loop's
+        looped = sum(c.bundles for c in loop.children if r.start <= c.start and c.end <= r.end)
+        if 2 * looped > r.bundles:
+            continue
+        total += r.bundles - looped
+    return total
+
+
+def align_loop_trips(
+    step_loops: Sequence[Sequence[int]], named: dict[str, float | tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """`scheduled_from_work(loop_trips=...)` from a kernel's own loops by name (program order;
+    "outer/inner" for a loop the kernel nests in another), each with its iterations over the
+    call, or (iterations, branch runs) where the work list also says how often the loop body's
+    forward branches run (e.g. a partly filled last page's copies), and its compiled step's
+    `step_loops`: one (trips, branch runs) per loop. The loops directly in the step are the
+    kernel's, in order; inside a named loop, the loops that issue DMAs are its named inner loops,
+    in order. Any other nested loop is the compiler's (e.g. TPU7x copies a lane-offset scale tile
+    through a small vld / vst loop beside its DMA) and is charged once per iteration of its
+    parent: its own trips are not known (an under-count where it iterates more than once)."""
+    top = [n for n in named if "/" not in n]
+    inner = {n: [c for c in named if c.startswith(n + "/")] for n in top}
+    out: list[tuple[float, float]] = []
+    names: list[str | None] = []
+    tops = iter(top)
+    for loop in step_loops:
+        parent, dma = loop[3], loop[4]
+        if parent < 0:
+            name = next(tops, None)
+            if name is None:
+                raise ValueError(
+                    f"the compiled step has more loops directly in it than the {len(top)} named "
+                    f"({', '.join(top)})"
+                )
+        else:
+            outer = names[parent]
+            pending = inner.get(outer) if outer else None
+            name = pending.pop(0) if pending and dma else None
+        names.append(name)
+        if name is None:
+            out.append((out[parent][0], out[parent][0]))
+        else:
+            value = named[name]
+            trips, runs = value if isinstance(value, tuple) else (value, value)
+            out.append((float(trips), float(runs)))
+    unused = [n for n in tops] + [c for cs in inner.values() for c in cs]
+    if unused:
+        raise ValueError(f"named loops not found in the compiled step: {', '.join(unused)}")
     return out
 
 
@@ -337,6 +433,7 @@ def scheduled_from_work(
     branch_pushes: Sequence[float] | None = None,
     output_tiles: float | None = None,
     last_side_runs: float | None = None,
+    loop_trips: Sequence[float] | None = None,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
@@ -380,6 +477,14 @@ def scheduled_from_work(
     `last_side_runs`, the busy steps taking the larger side: the others are charged the smaller
     one, instead of every step both (the validator's charge of tokamax's steps).
 
+    A kernel whose hot loop is the grid loop and whose steps run rolled loops of data-dependent
+    trip counts outside their MXU paths (the paged kernel's page DMA issue and wait loops, run
+    once per page; its q block's init / write-back loops, once per q block) passes `loop_trips`,
+    each of the model's `step_loops`' iterations over the whole call (program order), or
+    (iterations, runs of the loop body's forward branches) pairs (`align_loop_trips`): every step
+    is then charged its code without those loops, and each loop its own bundles per iteration
+    (its branch bodies per run), instead of one iteration per step.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
@@ -393,6 +498,25 @@ def scheduled_from_work(
                 f"{len(paths)} alternative MXU paths"
             )
     regions = step_regions(model)
+    # Bundles of the step's own rolled loops, charged by their trips rather than once per step.
+    looped, loop_bundles = 0.0, 0.0
+    if loop_trips is not None:
+        loops = model.get("step_loops")
+        if loops is None or not model.get("hot_is_grid") or branch_pushes is not None:
+            raise ValueError(
+                "loop_trips needs a schedule model with step_loops whose hot loop is the grid "
+                "loop: recompile the row (schedule_rows.py)"
+            )
+        if len(loops) != len(loop_trips):
+            raise ValueError(
+                f"loop_trips has {len(loop_trips)} entries; the schedule's grid step has "
+                f"{len(loops)} rolled loops outside its MXU paths"
+            )
+        looped = float(sum(lp[2] for lp in loops))
+        for value, lp in zip(loop_trips, loops):
+            trips, runs = value if isinstance(value, (tuple, list)) else (value, value)
+            branches = lp[5] if len(lp) > 5 else 0
+            loop_bundles += trips * (lp[2] - branches) + runs * branches
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
@@ -408,15 +532,17 @@ def scheduled_from_work(
         )
     elif model.get("hot_is_grid") and branch_runs is not None:
         busy = float(sum(branch_runs))
-        shared = model["step_bundles"] - sum(b for b, _ in paths)
+        shared = model["step_bundles"] - sum(b for b, _ in paths) - looped
         bundles = (
             busy * shared
             + sum(n * b for n, (b, _) in zip(branch_runs, paths))
-            + (grid_steps - busy) * model["idle_step_bundles"]
+            + (grid_steps - busy) * (model["idle_step_bundles"] - looped)
+            + loop_bundles
         )
     elif model.get("hot_is_grid"):
         busy = min(iterations, grid_steps)
-        step, once = model["step_bundles"], 0.0
+        step, once = model["step_bundles"] - looped, loop_bundles
+        idle = model["idle_step_bundles"] - looped
         if output_tiles is not None:
             step -= regions["first"] + regions["last"]
             once += output_tiles * (regions["first"] + regions["last"])
@@ -424,7 +550,7 @@ def scheduled_from_work(
             last = min(last_side_runs, busy)
             step -= sum(regions["sides"])
             once += last * max(regions["sides"]) + (busy - last) * min(regions["sides"])
-        bundles = busy * step + once + (grid_steps - busy) * model["idle_step_bundles"]
+        bundles = busy * step + once + (grid_steps - busy) * idle
     else:
         if model["per_step_overhead_bundles"] < 0:
             # regions counted twice when the model was read (a cache entry from before the nest's
@@ -477,4 +603,6 @@ def scheduled_from_work(
         ),
         "clock_hz": clock,
         "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
+        # the step's rolled loops, charged by their trips (only where a kernel passes them)
+        **({"loop_bundles": round(loop_bundles)} if loop_trips is not None else {}),
     }

@@ -388,6 +388,17 @@ def schedule_entry(
         # a cache entry from before the model read the step's MXU paths, or a program whose
         # step does not split (flash with segment ids runs the edge walk only)
         trips = None
+    if trips and "loop_trips" in trips:
+        if "step_loops" in s["_model"]:
+            # the kernel's loops by name, put on the compiled step's loops
+            trips["loop_trips"] = schedule_model.align_loop_trips(
+                s["_model"]["step_loops"], trips["loop_trips"]
+            )
+        else:
+            # a cache entry from before the model read the step's rolled loops: each is
+            # charged once per step, as the schedule reads it (schedule_rows.py recompiles it)
+            trips = {k: v for k, v in trips.items() if k != "loop_trips"}
+            out["loops_read_once_per_step"] = True
     flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info, cost)
     if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(

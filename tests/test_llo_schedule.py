@@ -291,6 +291,101 @@ def test_cond_sides_charge_one_side_per_step():
     assert t_old["scheduled_us"] == pytest.approx((8 * 7 + 2 * 4 + 6 * 3 + 2) * 1e-3)
 
 
+# The branchy step of _BRANCHY with rolled loops outside its MXU paths: an item loop (bundles
+# 2-5) holding a page loop (bundles 3-4), and a write-back loop (bundle 15) after the paths.
+_LOOPY = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %v2 = vld [vmem:[%s1] sm:$0xff] }
+   0x2 LB: >> { %s3 = sadd.s32 %s1, %s1 }
+   0x3 LB: >>> { %s4 = sadd.s32 %s1, %s1 }
+   0x4   : >>> { %5 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s4, /*size_in_granules=*/16 }
+   0x5   : >> { %s6 = sadd.s32 %s1, %s1 }
+   0x6   : > { %7 = sbr.rel (%p1) target = $region11 }
+   0x7   : > { %8 = sbr.rel (%p2) target = $region7 }
+   0x8   : > { %v9 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0x9   : > { %v10 = vadd.f32 %v2, %v2 } /* Start region 7 */
+   0xa   : > { %11 = sbr.rel (%p3) target = $region9 }
+   0xb   : > { %v12 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xc   : > { %v13 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xd   : > { %v14 = vpop.f32.mrf.mxu0 } /* Start region 9 */
+   0xe   : > { %v15 = vpow2.f32 %v14 } /* Start region 11 */
+   0xf LB: >> { %16 = vst [vmem:[%s1] sm:$0xff] %v2 }
+  0x10   : > { %17 = sbr.rel (%p4) target = $region2 }
+  0x11   :  { %18 = vsyncpa [#allocation3], 0 }
+"""
+
+
+def test_step_loops_are_charged_by_their_trips():
+    s = _sched(_LOOPY)
+    model = M.work_model_inputs(s)
+    # [start, end, own bundles, parent, DMA ops, branch bundles] relative to the grid loop,
+    # program order, nested ones included
+    assert model["step_loops"] == [[1, 5, 2, -1, 0, 0], [2, 4, 2, 0, 1, 0], [14, 15, 1, -1, 0, 0]]
+    assert model["mxu_branches"] == [[1, 1], [2, 2]]
+    kw = dict(mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=_Gen, branch_runs=[6, 2])
+    once = M.scheduled_from_work(model, **kw)
+    # 8 busy steps start 8 items of 20 pages in all; 2 q blocks written back
+    t = M.scheduled_from_work(model, loop_trips=[8, 20, 2], **kw)
+    looped = 2 + 2 + 1
+    shared = model["step_bundles"] - 1 - 2 - looped
+    idle = model["idle_step_bundles"] - looped
+    want = 6 * (shared + 1) + 2 * (shared + 2) + 2 * idle + 8 * 2 + 20 * 2 + 2 * 1
+    assert t["scheduled_us"] == pytest.approx((want + model["outside_bundles"]) * 1e-3)
+    assert t["loop_bundles"] == 8 * 2 + 20 * 2 + 2 * 1 and "loop_bundles" not in once
+    # one trip per busy step of each loop (idle steps none) is the static count's charge
+    same = M.scheduled_from_work(model, loop_trips=[8, 8, 8], **kw)
+    idle_loops = 2 * looped * 1e-3
+    assert same["scheduled_us"] == pytest.approx(once["scheduled_us"] - idle_loops)
+    with pytest.raises(ValueError, match="3 rolled loops"):
+        M.scheduled_from_work(model, loop_trips=[8, 20], **kw)
+    # a loop body's forward branch (1 of the item loop's 2 own bundles) charged per run: 3 of
+    # the 8 items take it
+    branchy = {**model, "step_loops": [[1, 5, 2, -1, 0, 1], *model["step_loops"][1:]]}
+    b = M.scheduled_from_work(branchy, loop_trips=[(8, 3), 20, 2], **kw)
+    assert b["loop_bundles"] == 8 * 1 + 3 * 1 + 20 * 2 + 2 * 1
+    old = {k: v for k, v in model.items() if k != "step_loops"}
+    with pytest.raises(ValueError, match="step_loops"):
+        M.scheduled_from_work(old, loop_trips=[8, 20, 2], **kw)
+
+
+def test_named_loops_align_with_the_compiled_step_loops():
+    loops = [[1, 5, 2, -1, 0, 0], [2, 4, 2, 0, 1, 0], [14, 15, 1, -1, 0, 0]]
+    named = {"fetch": (8, 3), "fetch/pages": 20, "write_back": 2}
+    assert M.align_loop_trips(loops, named) == [(8, 3), (20, 20), (2, 2)]
+    # loops the compiler adds (no DMA of their own inside a named loop: e.g. a small copy loop
+    # beside a DMA) run once per iteration of their parent
+    extra = [
+        [1, 9, 2, -1, 0, 0],
+        [2, 6, 2, 0, 2, 0],
+        [3, 4, 1, 1, 0, 0],
+        [7, 8, 1, 0, 0, 0],
+        [14, 15, 1, -1, 0, 0],
+    ]
+    assert M.align_loop_trips(extra, named) == [(8, 3), (20, 20), (20, 20), (8, 8), (2, 2)]
+    with pytest.raises(ValueError, match="named loops not found.*fetch/pages"):
+        M.align_loop_trips([[1, 5, 2, -1, 0, 0], [14, 15, 1, -1, 0, 0]], named)
+    with pytest.raises(ValueError, match="more loops directly in it"):
+        M.align_loop_trips(loops + [[16, 17, 1, -1, 0, 0]], named)
+
+
+def test_paged_rows_name_every_rolled_loop_of_their_step():
+    """Every paged benchmark row's compiled step has exactly the loops tiling.step_loop_trips
+    names for its shape (the program-order mapping the scheduled time charges by)."""
+    import ours
+    import schedule_rows
+    import shapes
+
+    adapter = ours.ADAPTERS["paged_attention"]
+    for shape in shapes.NAMED["paged_attention"]:
+        for gen in ("v5e", "v6e", "tpu7x"):
+            e = schedule_rows.read_schedule(
+                "paged_attention", "ours", shape.name, gen, cache_only=True
+            )
+            assert e is not None and "error" not in e, (shape.name, gen)
+            named = adapter.step_loops(shape, gen)
+            M.align_loop_trips(e["_model"]["step_loops"], named)  # raises on a mismatch
+
+
 def test_per_tile_runs_count_output_tiles_from_the_grid_and_work_list():
     import schedule_rows
     from shapes import RaggedDotShape
@@ -518,3 +613,52 @@ def test_program_fingerprint_ignores_source_locations_only(tmp_path):
     assert _fingerprint(tmp_path, "moved", moved) == fp
     assert _fingerprint(tmp_path, "retiled", retiled) != fp
     assert _fingerprint(tmp_path, "recomputed", recomputed) != fp
+
+
+# What each named loop of the paged step does, by its own bundles' op families (issue: DMA
+# descriptors and no waits; wait: DMA waits; stores of constants; loads, selects and stores).
+_LOOP_SIGNATURES = {
+    "item_fetch": lambda ops: ops.get("dma", 0) and not ops.get("vsyncadd"),
+    "page_copies": lambda ops: ops.get("dma", 0) and not ops.get("vsyncadd"),
+    "spread_matrix": lambda ops: ops.get("vst") and ops.get("vcmp") and not ops.get("vld"),
+    "init": lambda ops: ops.get("vst") and not ops.get("vld") and not ops.get("vcmp"),
+    "page_waits": lambda ops: ops.get("vsyncadd", 0) and not ops.get("vst"),
+    "stale_zeroing": lambda ops: ops.get("vld") and ops.get("vsel") and ops.get("vst"),
+    "write_back": lambda ops: ops.get("vrcp") and ops.get("vst"),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(600)
+def test_paged_step_loops_are_the_ones_step_loop_trips_names():
+    """The int8 decode row (every loop kind: page DMAs with per-token scales, the quad path's
+    spreading matrix, init / write-back) compiled for v6e: the loops outside the step's compute
+    paths are, in program order, the ones tiling.step_loop_trips names, each doing what its name
+    says."""
+    import ours
+    import schedule_targets
+
+    shape = "llama3_8b_decode_b64_ctx8192_int8"
+    target, args, name = schedule_targets.resolve("ours:paged_attention", shape)
+    (s,) = [x for x in L.dump_schedule(target, "v6e", args, name=name) if x.is_mosaic]
+    model = M.work_model_inputs(s, nested_paths=True)
+    adapter = ours.ADAPTERS["paged_attention"]
+    named = adapter.step_loops(schedule_targets._shape("paged_attention", shape), "v6e")
+    names = [n.split("/")[-1] for n in named]
+    assert names == list(_LOOP_SIGNATURES)
+    # on v6e the step holds exactly the kernel's loops, each doing what its name says
+    assert len(model["step_loops"]) == len(names)
+    pairs = [v if isinstance(v, tuple) else (v, v) for v in named.values()]
+    assert M.align_loop_trips(model["step_loops"], named) == pairs
+    grid = s.grid_loop()
+    loops = {lp.start - grid.start: lp for lp in grid.walk()}
+    for loop_name, row in zip(names, model["step_loops"]):
+        start, _, own, parent, _, branches = row
+        lp = loops[start]
+        ops = s.loop_segment(lp, own=True).ops
+        assert lp.own_bundles == own and _LOOP_SIGNATURES[loop_name](ops), (loop_name, ops)
+        assert parent == (0 if loop_name == "page_copies" else -1)
+        # the item loop's one branch: a partly filled last page's chunk copies (most of its
+        # code, which an item of full pages skips)
+        if loop_name == "item_fetch":
+            assert own / 2 < branches < own, row

@@ -299,16 +299,19 @@ def _paged_kernel(
         slot = lax.rem(j, 2)
         return pltpu.make_async_copy(pt_hbm.at[seq], ids_ref.at[slot], ids_sem.at[slot])
 
-    def page_of(j, p):
+    def page_lookup(j):
+        """Item j's page p -> its page index, the item's part of the address (sequence row and
+        first page: SMEM loads the compiler does not hoist) read once, outside the page loops."""
+        first = field("FIRST_PAGE", j)
         if stream_pt:
-            return ids_ref[lax.rem(j, 2), 0, field("FIRST_PAGE", j) + p]
-        seq = jnp.maximum(field("SEQ", j), 0)
-        return pt_ref[seq * pages_per_seq + field("FIRST_PAGE", j) + p]
+            row = lax.rem(j, 2)
+            return lambda p: ids_ref[row, 0, first + p]
+        base = jnp.maximum(field("SEQ", j), 0) * pages_per_seq + first
+        return lambda p: pt_ref[base + p]
 
-    def copies(j, slot, p, rows=None, start=True):
-        """DMAs of page p of item j into `slot` (rows=(offset, size): only those rows). A wait
-        needs only the semaphore and the shape, so waits use page 0 and never read the table."""
-        page = page_of(j, p) if start else 0
+    def copies(page, slot, p, rows=None):
+        """DMAs of cache page `page` into page slot p of `slot` (rows=(offset, size): only those
+        rows). A wait needs only the semaphore and the shape: waits pass page 0."""
         if token_major:
             if rows is None:
                 src = [caches[a].at[page] for a in range(n_arr)]
@@ -340,8 +343,7 @@ def _paged_kernel(
             for a in range(n_arr)
         ]
 
-    def scale_copies(j, slot, p, start=True):
-        page = page_of(j, p) if start else 0
+    def scale_copies(page, slot, p):
         return [
             pltpu.make_async_copy(
                 scale_hbm[a].at[page],
@@ -367,28 +369,38 @@ def _paged_kernel(
             for c in cs:
                 c.start() if start else c.wait()
 
-        # Rolled loops over the pages (one DMA descriptor per iteration): unrolled, the
-        # per-page address arithmetic was a few hundred scalar bundles in every step's code.
+        page_at = page_lookup(j) if start else (lambda p: 0)
+
+        # Rolled loops over the pages (one DMA descriptor per array per iteration): unrolled, the
+        # per-page address arithmetic was a few hundred scalar bundles in every step's code. A
+        # page's per-token scales (one [Hkv, block_size] tile row, copied whole and lane-aligned:
+        # block_size is a multiple of 128) ride in the same iteration as its K / V.
         def full_page(p, carry):
-            go(copies(j, slot, p, start=start))
+            page = page_at(p)
+            go(copies(page, slot, p))
+            if token_scales:
+                go(scale_copies(page, slot, p))
             return carry
 
         lax.fori_loop(0, n_full, full_page, 0)
-        if token_scales:
-            # A page's scales are one [Hkv, block_size] tile row: copied whole, lane-aligned
-            # (block_size is a multiple of 128).
-            def scale_page(p, carry):
-                go(scale_copies(j, slot, p, start=start))
-                return carry
 
-            lax.fori_loop(0, npages, scale_page, 0)
+        if not chunk_sizes:
+            return
 
-        for size in chunk_sizes:
+        # A partly filled last page: one branch around all of its chunk copies, which a full
+        # item skips (left as separate small conditions, the compiler predicates every chunk's
+        # DMA and bounds checks into straight-line code that each item runs).
+        @pl.when((npages > 0) & partial)
+        def _():
+            page = page_at(last_p)
+            if token_scales:
+                go(scale_copies(page, slot, last_p))
+            for size in chunk_sizes:
 
-            @pl.when((npages > 0) & partial & (lax.rem(lax.div(rows_up, size), 2) == 1))
-            def _():
-                off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
-                go(copies(j, slot, last_p, (off, size), start=start))
+                @pl.when(lax.rem(lax.div(rows_up, size), 2) == 1)
+                def _():
+                    off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
+                    go(copies(page, slot, last_p, (off, size)))
 
     if stream_pt:
         # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
@@ -403,7 +415,8 @@ def _paged_kernel(
 
     # Start the pages of item i + 1 into the other slot while item i is computed; step 0 also
     # starts its own. One loop over the items to start (one code copy of the DMA issue in the
-    # step: the first step's extra fetch used to be a second copy).
+    # step: the first step's extra fetch used to be a second copy). The step's rolled loops, in
+    # program order, are tiling.step_loop_trips' (the benchmarks charge each by its iterations).
     def start_item(j, carry):
         if stream_pt:
 
@@ -437,9 +450,8 @@ def _paged_kernel(
     # The q block's statistics are initialised and its output written once per q block, in
     # rolled loops over `row_chunk` rows: straight-line, they were ~1000 bundles of the grid
     # step's code (a decode call has one q block for hundreds of steps).
-    row_chunk = math.gcd(rows, 16)
-    if o_ref.dtype.itemsize < 4 and row_chunk % tiling.row_tile(o_ref.dtype):
-        row_chunk = rows  # a packed output tile would be split: one straight-line pass
+    # (tiling.step_loop_trips counts their iterations for the benchmarks' scheduled time.)
+    row_chunk = tiling.output_row_chunk(rows, o_ref.dtype)
     n_chunks = rows // row_chunk
 
     @pl.when(first_of_block)

@@ -120,6 +120,72 @@ def page_copy_plan(
     return npages, npages * page_size
 
 
+def output_row_chunk(rows: int, out_dtype) -> int:
+    """Rows of a q block one iteration of the kernel's init / write-back loops handles (kernel.py:
+    rolled loops over 16-row chunks; a packed output whose sublane tile a chunk would split is
+    written in one straight-line pass)."""
+    chunk = math.gcd(rows, 16)
+    if _itemsize(out_dtype) < 4 and chunk % row_tile(out_dtype):
+        chunk = rows
+    return chunk
+
+
+def step_loop_trips(
+    items,
+    kv_lens,
+    *,
+    rows: int,
+    out_dtype,
+    kv_dtype,
+    num_kv_heads: int,
+    token_major: bool,
+    page_size: int,
+    pages_per_block: int,
+    spread_matrix: bool = False,
+) -> dict[str, int | tuple[int, int]]:
+    """The rolled loops of the kernel's grid step outside its compute paths, in program order
+    (kernel.py `_paged_kernel`), each with its iterations over the whole call for the work list
+    `items` ((q_block, seq, first_page, num_pages) tuples, `host_work_list`). A compiled
+    schedule reads each loop's body once per step; these are the counts the benchmarks' scheduled
+    time charges them by (`schedule_model.scheduled_from_work(loop_trips=...)`):
+    - `item_fetch`: the loop over the items a step starts (each item once; its branch around a
+      partly filled last page's chunk copies runs once per such item: (items, such items)),
+      holding `item_fetch/page_copies` (one iteration per full page: its K / V DMAs, and its
+      scales' with per-token scales);
+    - `spread_matrix`: the quad path's 0/1 spreading matrix, written once per call;
+    - `init` / `write_back`: a q block's statistics and output, once per q block, in chunks of
+      `output_row_chunk` rows (no loop when one chunk covers the block);
+    - `page_waits`: the waits for a busy item's copies, one iteration per full page;
+    - `stale_zeroing`: a busy item's page slots past its valid keys."""
+    tile = copy_tile(kv_dtype, num_kv_heads, token_major)
+    cuts_pages = bool(partial_page_chunks(page_size, kv_dtype, tile))
+    n_chunks = rows // output_row_chunk(rows, out_dtype)
+    full = stale = cut = 0
+    for _, seq, first, npages in items:
+        if not npages:
+            continue
+        kv_len = int(kv_lens[seq])
+        # kernel.py fetch: a last page filled to fewer rows than a page (rounded up to the copy
+        # tile) is copied in row chunks outside the page loop
+        last_rows = kv_len - (first + npages - 1) * page_size
+        partial = cuts_pages and -(-last_rows // tile) * tile < page_size
+        full += npages - int(partial)
+        cut += int(partial)
+        n_valid = min(npages * page_size, kv_len - first * page_size)
+        stale += pages_per_block - n_valid // page_size
+    q_blocks = sum(1 for j, it in enumerate(items) if j == 0 or it[0] != items[j - 1][0])
+    loops = {"item_fetch": (len(items), cut), "item_fetch/page_copies": full}
+    if spread_matrix:
+        loops["spread_matrix"] = 3 * SPREAD_TOKENS // row_tile(np.float16)  # bf16 row tiles
+    if n_chunks > 1:
+        loops["init"] = q_blocks * n_chunks
+    loops["page_waits"] = full
+    loops["stale_zeroing"] = stale
+    if n_chunks > 1:
+        loops["write_back"] = q_blocks * n_chunks
+    return loops
+
+
 def narrow_rows(group: int, rows: int) -> int:
     """Rows of the narrow (decode) compute path; == rows means no narrow path."""
     return min(rows, _round_up(max(group, NARROW_ROWS), NARROW_ROWS))
