@@ -277,8 +277,9 @@ def test_smem_bound():
     f = functools.partial(kernel.ragged_paged_attention, interpret=True)
     assert tiling.streams_page_table(512, 1024, tiling.PagedAttentionConfig())
     assert jax.eval_shape(f, *_shapes(512, 1024, 512)).shape == (512, 4, 128)
+    # 8192 sequences of 1024 pages: ~65k items even at the largest KV blocks
     with pytest.raises(ValueError, match="SMEM"):
-        jax.eval_shape(f, *_shapes(4096, 1024, 4096))
+        jax.eval_shape(f, *_shapes(8192, 1024, 8192))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1035,6 +1036,46 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
         kernel.paged_attention_token_major(
             b["q"], b["k"], b["v"], b["kv_lens"], b["pt"], b["cu"], b["ns"], interpret=True, **kw
         )
+
+
+def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
+    """The step's loops' iterations over a call, as the kernel runs them: the page loops take an
+    item's full pages (a last page copied short is not one of them: the item loop's branch takes
+    it), the stale-slot zeroing an item's slots past its valid keys, init / write-back one
+    iteration per 16-row chunk of each q block."""
+    # q block 0: a sequence of 300 keys (3 pages, the last of 44 rows) and one of 256 (2 full
+    # pages); q block 1: an empty item, and the first 4 pages of a 640-key sequence
+    items = [(0, 0, 0, 3), (0, 1, 0, 2), (1, -1, 0, 0), (1, 2, 0, 4)]
+    kv_lens = [300, 256, 640]
+    kw = dict(kv_dtype="int8", num_kv_heads=8, token_major=True, page_size=128, pages_per_block=4)
+    trips = tiling.step_loop_trips(items, kv_lens, rows=64, out_dtype="float32", **kw)
+    assert trips == {
+        "item_fetch": (4, 1),  # every item is started; one has a partly filled last page
+        "item_fetch/page_copies": 2 + 2 + 4,
+        "init": 2 * 4,  # two q blocks of 64 rows, 16 per iteration
+        "page_waits": 2 + 2 + 4,
+        "stale_zeroing": (4 - 2) + (4 - 2) + 0,
+        "write_back": 2 * 4,
+    }
+    # 62 rows round up to whole copy tiles (4 tokens of 8 heads: 64), still short of a page; a
+    # page filled to its last tile (125 rows: 128) is a full page
+    assert tiling.step_loop_trips(
+        items, [2 * 128 + 62, 256, 640], rows=64, out_dtype="float32", **kw
+    )["item_fetch"] == (4, 1)
+    full = tiling.step_loop_trips(
+        items, [2 * 128 + 125, 256, 640], rows=64, out_dtype="float32", **kw
+    )
+    assert full["item_fetch"] == (4, 0) and full["item_fetch/page_copies"] == 3 + 2 + 4
+    # a q block of 8 bf16 rows is written in one straight-line pass: no init / write-back loop;
+    # the quad path's spreading matrix: 3 x 128 rows of bf16 tiles of 16, once per call
+    small = tiling.step_loop_trips(
+        items, kv_lens, rows=8, out_dtype="bfloat16", spread_matrix=True, **kw
+    )
+    assert "init" not in small and "write_back" not in small
+    assert small["spread_matrix"] == 24
+    assert list(small) == [
+        "item_fetch", "item_fetch/page_copies", "spread_matrix", "page_waits", "stale_zeroing"
+    ]  # fmt: skip
 
 
 def test_compute_path_rule_shared_by_cost_model_and_benchmarks():

@@ -158,17 +158,15 @@ def step_loop_trips(
     - `page_waits`: the waits for a busy item's copies, one iteration per full page;
     - `stale_zeroing`: a busy item's page slots past its valid keys."""
     tile = copy_tile(kv_dtype, num_kv_heads, token_major)
-    cuts_pages = bool(partial_page_chunks(page_size, kv_dtype, tile))
     n_chunks = rows // output_row_chunk(rows, out_dtype)
     full = stale = cut = 0
     for _, seq, first, npages in items:
         if not npages:
             continue
         kv_len = int(kv_lens[seq])
-        # kernel.py fetch: a last page filled to fewer rows than a page (rounded up to the copy
-        # tile) is copied in row chunks outside the page loop
-        last_rows = kv_len - (first + npages - 1) * page_size
-        partial = cuts_pages and -(-last_rows // tile) * tile < page_size
+        # a last page copied short (its valid rows in chunks) is not one of the page loop's
+        _, tokens = page_copy_plan(kv_len, first, npages, page_size, kv_dtype, tile)
+        partial = tokens < npages * page_size
         full += npages - int(partial)
         cut += int(partial)
         n_valid = min(npages * page_size, kv_len - first * page_size)
@@ -280,7 +278,12 @@ def choose_config(
     # while halving the q block only doubles the prefill's KV reads, which its compute hides
     # (TPU7x's 24 MiB budget, mixed batch of 63 decodes + 2048 prefill: 632 busy steps at
     # 64 x 8 pages instead of 1256 at 128 x 4, compiled schedule in benchmarks/results).
+    # 2048-token KV blocks come next: the model takes them where halving the steps beats its
+    # tolerance (each step's fixed cost, its own code and a decode item's per-item work), not
+    # on a tie, since they double the KV slots and the score temporaries (31 MiB at 64-token q
+    # blocks for Llama-3-8B: not within TPU7x's budget).
     prefs = [(r, 1024) for r in (1024, 512, 256)]
+    prefs += [(r, 2048) for r in (1024, 512, 256)]
     prefs += [(r, 512) for r in (1024, 512, 256)]
     prefs += [(r, t) for t in (256, 128) for r in (256, 128)]
     prefs += [(16 * group, t) for t in (128, 64, 32, 16)]
