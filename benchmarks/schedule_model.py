@@ -302,13 +302,12 @@ def _step_loops(sched: Schedule, grid, paths) -> list[list[int]]:
         return inside or sched.loop_segment(lp).mxu_pushes > 0
 
     out: list[list[int]] = []
-    index: dict[int, int] = {}
 
     def visit(lp, parent: int) -> None:
         for child in lp.children:
             if compute(child):
                 continue
-            index[child.start] = len(out)
+            me = len(out)
             dma = sched.loop_segment(child, own=True).ops.get("dma", 0)
             out.append(
                 [
@@ -320,7 +319,7 @@ def _step_loops(sched: Schedule, grid, paths) -> list[list[int]]:
                     _branch_bundles(sched, child),
                 ]
             )
-            visit(child, index[child.start])
+            visit(child, me)
 
     visit(grid, -1)
     return out
@@ -378,7 +377,7 @@ def align_loop_trips(
             value = named[name]
             trips, runs = value if isinstance(value, tuple) else (value, value)
             out.append((float(trips), float(runs)))
-    unused = [n for n in tops] + [c for cs in inner.values() for c in cs]
+    unused = list(tops) + [c for cs in inner.values() for c in cs]
     if unused:
         raise ValueError(f"named loops not found in the compiled step: {', '.join(unused)}")
     return out
@@ -433,7 +432,7 @@ def scheduled_from_work(
     branch_pushes: Sequence[float] | None = None,
     output_tiles: float | None = None,
     last_side_runs: float | None = None,
-    loop_trips: Sequence[float] | None = None,
+    loop_trips: Sequence[float | tuple[float, float]] | None = None,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
@@ -513,10 +512,9 @@ def scheduled_from_work(
                 f"{len(loops)} rolled loops outside its MXU paths"
             )
         looped = float(sum(lp[2] for lp in loops))
-        for value, lp in zip(loop_trips, loops):
+        for value, (_, _, own, _, _, branches) in zip(loop_trips, loops):
             trips, runs = value if isinstance(value, (tuple, list)) else (value, value)
-            branches = lp[5] if len(lp) > 5 else 0
-            loop_bundles += trips * (lp[2] - branches) + runs * branches
+            loop_bundles += trips * (own - branches) + runs * branches
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
