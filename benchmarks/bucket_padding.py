@@ -297,6 +297,7 @@ def paged_side(q_lens, kv_lens, num_tokens, max_seqs, generation) -> Side:
     trips = ours.paged_trips(
         T.path_runs(items, q_lens, block_q=bq, group=group, narrow=narrow)  # head-major: no pairs
     )
+    trips["work_items"] = float(len(items))  # each q block's grid step loops over its items
     stream = bool(T.streams_page_table(max_seqs, PAGES_PER_SEQ, cfg))
     key = (bq, cfg.pages_per_block, stream)
     args = {
@@ -497,7 +498,10 @@ def _compile(side: Side, generation) -> dict:
         "compile_seconds": round(time.time() - t0, 1),
         "compiled_unix": int(time.time()),
         "_model": schedule_model.work_model_inputs(
-            kernel, xla, nested_paths=side.op in schedule_model.NESTED_PATHS
+            kernel,
+            xla,
+            nested_paths=side.op in schedule_model.NESTED_PATHS,
+            item_loop=side.op in schedule_model.ITEM_LOOPS,
         ),
         "_program": info["program"],
         "_source": info["source_hash"],
@@ -644,7 +648,10 @@ def _same_structure(a: dict, b: dict) -> bool:
 
 def _fit_trips(trips: dict, model: dict) -> dict:
     """A side's trip counts in the form its model takes: per-path step counts only where the
-    schedule has those paths (a borrowed schedule may have one path: every busy step runs it)."""
+    schedule has those paths (a borrowed schedule may have one path: every busy step runs it);
+    no work_items for a schedule compiled when each work item was a grid step."""
+    if "work_items" in trips and not model.get("items_in_step"):
+        trips = {k: v for k, v in trips.items() if k != "work_items"}
     paths = len(model.get("mxu_branches") or [])
     if "branch_pushes" in trips and paths != len(trips["branch_pushes"]):
         raise ValueError(
@@ -838,10 +845,13 @@ def measure(generation="v6e", max_compiles=None, fill_only=False):
             return None
         import schedule_model
 
+        steps = side.cost.grid_steps
+        if "work_items" in side.trips and not model.get("items_in_step"):
+            steps = side.trips["work_items"]  # compiled when each item was a grid step
         t = schedule_model.scheduled_from_work(
             model,
             mxu_flops=side.cost.mxu_flops,
-            grid_steps=side.cost.grid_steps,
+            grid_steps=steps,
             hbm_bytes=side.cost.hbm_bytes,
             generation=gen,
             **_fit_trips(side.trips, model),

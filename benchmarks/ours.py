@@ -124,7 +124,7 @@ class RaggedDot(Adapter):
             ((shape.experts,), jnp.int32),
         ]
 
-    def schedule_trips(self, shape, generation):
+    def schedule_trips(self, shape, generation, tiles=None):
         """Exact trip counts from the kernel's own work list: full row windows (the hot loop's
         iterations; one per column chunk when a weight block is cut along N) and tail windows
         (one bucket region each), over every (N tile, K tile). When the weight block is cut into
@@ -250,7 +250,7 @@ class FlashAttention(Adapter):
         )
         return 4.0 * groups * q_compute * block_kv * shape.head_dim * (unroll if small else 1)
 
-    def schedule_trips(self, shape, generation):
+    def schedule_trips(self, shape, generation, tiles=None):
         """MXU pushes the call runs on each of the forward step's two paths (kernel.py: the
         interior path, for items the band covers whole, then the edge walk): unmasked tiles at
         the interior path's bundles per push, masked tiles at the edge walk's (its masked
@@ -349,11 +349,11 @@ class PagedAttention(Adapter):
             token_major=shape.layout == "token_major",
         )
 
-    def _work_list(self, shape, generation):
-        """The work list the kernel builds for the shape at its default tiles (host_work_list),
-        with the tiles and the q block's rows."""
+    def _work_list(self, shape, generation, tiles=None):
+        """The work list the kernel builds for the shape at its default tiles (or `tiles`;
+        host_work_list), with the tiles and the q block's rows."""
         T = self.mod.tiling
-        cfg = self._config(shape, generation)
+        cfg = self._config(shape, generation, tiles)
         rows = cfg.block_q * (shape.q_heads // shape.kv_heads)
         items = T.host_work_list(
             [q for q, _ in shape.seqs],
@@ -367,12 +367,13 @@ class PagedAttention(Adapter):
         )
         return items, cfg, rows
 
-    def step_loops(self, shape, generation) -> dict:
-        """The grid step's rolled loops outside its compute paths by name, program order, with
-        their iterations over the call (tiling.step_loop_trips; schedule_model.align_loop_trips
-        puts them on the compiled step's loops)."""
+    def step_loops(self, shape, generation, tiles=None) -> dict:
+        """The kernel's rolled loops outside its compute paths by name, program order, with
+        their iterations over the call: "item", an item's, and "block", its grid step's around
+        the item loop (tiling.step_loop_trips; schedule_model.align_loop_trips puts them on the
+        compiled loops)."""
         T = self.mod.tiling
-        items, cfg, rows = self._work_list(shape, generation)
+        items, cfg, rows = self._work_list(shape, generation, tiles)
         group = shape.q_heads // shape.kv_heads
         token_major = shape.layout == "token_major"
         return T.step_loop_trips(
@@ -392,17 +393,18 @@ class PagedAttention(Adapter):
             ),
         )
 
-    def schedule_trips(self, shape, generation):
+    def schedule_trips(self, shape, generation, tiles=None):
         """Steps per compute path, from the kernel's own work list (tiling.path_runs): an item
         whose rows sit in one narrow slice of its q block (a decode token's G heads) takes the
         narrow path, in its compact form (KV-head pairs or 8-bit quads) where that is compiled
         and the item holds at most tiling.compact_rows rows; any other item with pages the
-        whole-q-block path (tiling.compute_paths gives the program order). Empty items and the
-        steps past the list take none. The step's rolled loops (page DMA issue and wait,
-        stale-slot zeroing, the q block's init and write-back) are charged by their iterations
-        over the call (`step_loops`)."""
+        whole-q-block path (tiling.compute_paths gives the program order). Empty items take
+        none. Each q block's grid step loops over its items (`work_items`: the list's items);
+        the item's rolled loops (page DMA issue and wait, stale-slot zeroing) and the grid
+        step's (the q block's init and write-back) are charged by their iterations over the
+        call (`step_loops`)."""
         T = self.mod.tiling
-        items, cfg, rows = self._work_list(shape, generation)
+        items, cfg, rows = self._work_list(shape, generation, tiles)
         group = shape.q_heads // shape.kv_heads
         narrow = T.narrow_rows(group, rows)
         compact = T.compact_rows(
@@ -421,7 +423,13 @@ class PagedAttention(Adapter):
             narrow=narrow,
             compact=compact,
         )
-        return {**paged_trips(runs), "loop_trips": self.step_loops(shape, generation)}
+        loops = self.step_loops(shape, generation, tiles)
+        return {
+            **paged_trips(runs),
+            "work_items": float(len(items)),
+            "loop_trips": loops["item"],
+            "block_loop_trips": loops["block"],
+        }
 
     def _fn(self, shape, generation, tiles=None):
         kern = self.mod.kernel

@@ -105,6 +105,10 @@ def _mxu_branches(sched: Schedule, regions, nested: bool = False) -> list:
 
 # The kernel families (ours) whose alternative compute paths nest (`_mxu_branches`).
 NESTED_PATHS = frozenset({"paged_attention"})
+# The kernel families (ours) whose grid step runs a rolled loop over work items, each item what
+# a grid step of the other kernels is (`work_model_inputs(item_loop=True)`): paged attention runs
+# a q block's items in its grid step.
+ITEM_LOOPS = frozenset({"paged_attention"})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -225,17 +229,41 @@ def _top_child_containing(grid: Loop, lp: Loop) -> Loop | None:
 
 
 def work_model_inputs(
-    sched: Schedule, xla: Sequence[Schedule] = (), nested_paths: bool = False
+    sched: Schedule,
+    xla: Sequence[Schedule] = (),
+    nested_paths: bool = False,
+    item_loop: bool = False,
 ) -> dict:
     """What `scheduled_from_work` needs of a compiled schedule, as plain numbers (cacheable).
-    `nested_paths`: the kernel's alternative paths nest (`_mxu_branches`; NESTED_PATHS)."""
+    `nested_paths`: the kernel's alternative paths nest (`_mxu_branches`; NESTED_PATHS).
+    `item_loop`: the kernel's grid step runs a rolled loop over work items (ITEM_LOOPS), the hot
+    loop: that loop's body is read as "the step" below (its paths, regions and rolled loops),
+    and the grid step's code around it (`block_bundles`, its rolled loops `block_loops`: a q
+    block's init and write-back) is charged per grid step. Where the grid has one step Mosaic
+    emits no grid loop and the whole program is that code."""
     grid, hot = sched.grid_loop(), sched.hot_loop()
+    block = None
+    if item_loop and hot is not None:
+        if grid is not None and grid is not hot and grid.start <= hot.start < grid.end:
+            block = grid
+        grid = hot
     out = {
-        "outside_bundles": len(sched.bundles) - (grid.bundles if grid else 0),
+        "outside_bundles": len(sched.bundles) - ((block or grid).bundles if grid else 0),
         "xla": [[len(x.bundles), x.hbm_operand_bytes] for x in xla],
     }
     if grid is None or hot is None:
         return out
+    if item_loop:
+        if block is None:  # a one-step grid: the program is the grid step
+            out["outside_bundles"] = 0
+            top = Loop(0, len(sched.bundles), 0, [lp for lp in sched.loops if lp.depth == 1])
+        else:
+            top = block
+        out.update(
+            items_in_step=True,
+            block_bundles=top.bundles - grid.bundles,
+            block_loops=_step_loops(sched, top, [grid]),
+        )
     mxu_regions = [r for r in sched.regions(grid) if sched.region_segment(r).mxu_pushes]
     branches = _mxu_branches(sched, mxu_regions, nested=nested_paths)
     # The step's alternative MXU paths, each with its static bundles and MXU pushes (loop bodies
@@ -433,6 +461,8 @@ def scheduled_from_work(
     output_tiles: float | None = None,
     last_side_runs: float | None = None,
     loop_trips: Sequence[float | tuple[float, float]] | None = None,
+    work_items: float | None = None,
+    block_loop_trips: Sequence[float | tuple[float, float]] | None = None,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
@@ -484,6 +514,13 @@ def scheduled_from_work(
     is then charged its code without those loops, and each loop its own bundles per iteration
     (its branch bodies per run), instead of one iteration per step.
 
+    A kernel whose grid step runs a loop over work items (`work_model_inputs(item_loop=True)`:
+    the model's step is one item) passes `work_items`, the items over the call, in place of the
+    grid steps wherever the rules above count steps, and `block_loop_trips`, the iterations of
+    the grid step's own rolled loops (`block_loops`) as `loop_trips` does for the item's: each
+    grid step is then charged its code around the item loop (`block_bundles`, its loops by their
+    trips) and the fixed per-step cost, each item none of that.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
@@ -497,6 +534,23 @@ def scheduled_from_work(
                 f"{len(paths)} alternative MXU paths"
             )
     regions = step_regions(model)
+    items_in_step = bool(model.get("items_in_step"))
+    if items_in_step != (work_items is not None):
+        raise ValueError(
+            "work_items goes with a schedule model read with item_loop=True, and only with one: "
+            "recompile the row (schedule_rows.py)"
+        )
+    # Grid steps: the per-step overhead and, for an item loop, the code around it.
+    block_steps = grid_steps
+    block = 0.0
+    if items_in_step:
+        grid_steps = work_items  # the model's steps are the items from here on
+        block_looped, block = 0.0, 0.0  # without trips: each loop read once per grid step
+        if block_loop_trips is not None:
+            block_looped, block = _charge_loops(
+                model["block_loops"], block_loop_trips, "block_loop_trips"
+            )
+        block += block_steps * (model["block_bundles"] - block_looped)
     # Bundles of the step's own rolled loops, charged by their trips rather than once per step.
     looped, loop_bundles = 0.0, 0.0
     if loop_trips is not None:
@@ -506,15 +560,7 @@ def scheduled_from_work(
                 "loop_trips needs a schedule model with step_loops whose hot loop is the grid "
                 "loop: recompile the row (schedule_rows.py)"
             )
-        if len(loops) != len(loop_trips):
-            raise ValueError(
-                f"loop_trips has {len(loop_trips)} entries; the schedule's grid step has "
-                f"{len(loops)} rolled loops outside its MXU paths"
-            )
-        looped = float(sum(lp[2] for lp in loops))
-        for value, (_, _, own, _, _, branches) in zip(loop_trips, loops):
-            trips, runs = value if isinstance(value, (tuple, list)) else (value, value)
-            loop_bundles += trips * (own - branches) + runs * branches
+        looped, loop_bundles = _charge_loops(loops, loop_trips, "loop_trips")
     if hot_iterations is not None:
         iterations = hot_iterations
     elif branch_runs is not None:
@@ -567,13 +613,14 @@ def scheduled_from_work(
             + iterations * model["hot_bundles"]
             + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
         )
+    bundles += block
     # The call's steps pooled into one (Machine's rule on the totals) plus each step's overhead:
     # per-step work is not known where the trip counts come from a work list.
     t_b = bundles / clock
     t_mxu = machine.work_seconds(0.0, 0.0, mxu_flops)
     t_c = max(t_b, t_mxu)
     t_d = machine.work_seconds(0.0, hbm_bytes)
-    t_steps = grid_steps * machine.step_overhead_s
+    t_steps = block_steps * machine.step_overhead_s
     # XLA's ops around the kernel are reported beside the kernel's time, not in it: their HBM
     # operands' bytes overcount ops that touch part of an operand (a batch slice of a whole
     # array), so `with_xla_us` is an upper bound.
@@ -603,4 +650,22 @@ def scheduled_from_work(
         "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
         # the step's rolled loops, charged by their trips (only where a kernel passes them)
         **({"loop_bundles": round(loop_bundles)} if loop_trips is not None else {}),
+        # the grid steps' code around their item loops (only where a kernel runs one)
+        **({"block_bundles": round(block)} if items_in_step else {}),
     }
+
+
+def _charge_loops(loops, trips_per_loop, name: str) -> tuple[float, float]:
+    """(bundles of `loops` as a static count reads them, their bundles by `trips_per_loop`, the
+    argument `name`): each loop's own bundles per iteration and its forward branches' per run."""
+    if len(loops) != len(trips_per_loop):
+        where = "item loop's grid step" if name == "block_loop_trips" else "step"
+        raise ValueError(
+            f"{name} has {len(trips_per_loop)} entries; the schedule's {where} has "
+            f"{len(loops)} rolled loops outside its MXU paths"
+        )
+    charged = 0.0
+    for value, (_, _, own, _, _, branches) in zip(trips_per_loop, loops):
+        trips, runs = value if isinstance(value, (tuple, list)) else (value, value)
+        charged += trips * (own - branches) + runs * branches
+    return float(sum(lp[2] for lp in loops)), charged

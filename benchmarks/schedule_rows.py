@@ -338,8 +338,12 @@ def read_schedule(
             hlo.unlink()
         # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
         # when the closed forms change without compiling again.
+        ours_kind = kind if impl == "ours" else None
         entry["_model"] = schedule_model.work_model_inputs(
-            kernel, xla, nested_paths=impl == "ours" and kind in schedule_model.NESTED_PATHS
+            kernel,
+            xla,
+            nested_paths=ours_kind in schedule_model.NESTED_PATHS,
+            item_loop=ours_kind in schedule_model.ITEM_LOOPS,
         )
     entry["_program"] = program
     # A compile that ran out of time says nothing about the program: not cached. Nor does a
@@ -390,10 +394,14 @@ def schedule_entry(
         trips = None
     if trips and "loop_trips" in trips:
         if "step_loops" in s["_model"]:
-            # the kernel's loops by name, put on the compiled step's loops
+            # the kernel's loops by name, put on the compiled step's (and grid step's) loops
             trips["loop_trips"] = schedule_model.align_loop_trips(
                 s["_model"]["step_loops"], trips["loop_trips"]
             )
+            if "block_loop_trips" in trips:
+                trips["block_loop_trips"] = schedule_model.align_loop_trips(
+                    s["_model"]["block_loops"], trips["block_loop_trips"]
+                )
         else:
             # a cache entry from before the model read the step's rolled loops: each is
             # charged once per step, as the schedule reads it (schedule_rows.py recompiles it)

@@ -348,6 +348,90 @@ def test_step_loops_are_charged_by_their_trips():
         M.scheduled_from_work(old, loop_trips=[8, 20, 2], **kw)
 
 
+# A grid step that loops over work items (paged attention's q block): the grid loop (bundles
+# 1-18) holds an init loop (bundle 2), the item loop (bundles 3-16: _LOOPY's step, its fetch
+# loop and page loop, its two MXU paths) and a write-back loop (bundle 17).
+_ITEMS = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %s90 = sadd.s32 %s1, %s1 }
+   0x2 LB: >> { %91 = vst [vmem:[%s1] sm:$0xff] %v2 }
+   0x3 LB: >> { %v2 = vld [vmem:[%s1] sm:$0xff] }
+   0x4 LB: >>> { %s3 = sadd.s32 %s1, %s1 }
+   0x5 LB: >>>> { %s4 = sadd.s32 %s1, %s1 }
+   0x6   : >>>> { %5 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s4, /*size_in_granules=*/16 }
+   0x7   : >>> { %s6 = sadd.s32 %s1, %s1 }
+   0x8   : >> { %7 = sbr.rel (%p1) target = $region11 }
+   0x9   : >> { %8 = sbr.rel (%p2) target = $region7 }
+   0xa   : >> { %v9 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xb   : >> { %v10 = vadd.f32 %v2, %v2 } /* Start region 7 */
+   0xc   : >> { %11 = sbr.rel (%p3) target = $region9 }
+   0xd   : >> { %v12 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xe   : >> { %v13 = vmatmul.mubr.bf16.gmra.mxu0 %v2 }
+   0xf   : >> { %v14 = vpop.f32.mrf.mxu0 } /* Start region 9 */
+  0x10   : >> { %v15 = vpow2.f32 %v14 } /* Start region 11 */
+  0x11 LB: >> { %16 = vst [vmem:[%s1] sm:$0xff] %v2 }
+  0x12   : > { %17 = sbr.rel (%p4) target = $region2 }
+  0x13   :  { %18 = vsyncpa [#allocation3], 0 }
+"""
+
+
+def test_item_loop_is_the_step_and_its_grid_step_is_charged_per_q_block():
+    """A kernel that runs a q block's work items in a rolled loop inside its grid step
+    (work_model_inputs(item_loop=True)): the item loop is read as the step (paths, loops, as a
+    grid step of the other kernels), the grid step's code around it is charged once per grid
+    step with its own loops by their trips, and the fixed per-step cost per grid step only."""
+    s = _sched(_ITEMS)
+    model = M.work_model_inputs(s, item_loop=True)
+    assert model["items_in_step"] and model["hot_is_grid"]
+    assert model["step_bundles"] == 14 and model["mxu_branches"] == [[1, 1], [2, 2]]
+    assert model["step_loops"] == [[1, 5, 2, -1, 0, 0], [2, 4, 2, 0, 1, 0]]
+    # relative to the grid loop: init, write-back; the rest of the grid step 18 - 14 - 2
+    assert model["block_loops"] == [[1, 2, 1, -1, 0, 0], [16, 17, 1, -1, 0, 0]]
+    assert model["block_bundles"] == 18 - 14 and model["outside_bundles"] == 2
+
+    class Gen(_Gen):
+        step_overhead_s = 1e-9  # one bundle's time per grid step
+
+    kw = dict(mxu_flops=1.0, hbm_bytes=0.0, generation=Gen, branch_runs=[6, 2])
+    # 3 q blocks (grid steps) of 10 items: 8 busy ones start 8 items of 20 pages; each q block
+    # initialises and writes back 4 row chunks
+    t = M.scheduled_from_work(
+        model,
+        grid_steps=3,
+        work_items=10,
+        loop_trips=[8, 20],
+        block_loop_trips=[12, 12],
+        **kw,
+    )
+    shared = 14 - 1 - 2 - 4
+    idle = model["idle_step_bundles"] - 4
+    items = 6 * (shared + 1) + 2 * (shared + 2) + 2 * idle + 8 * 2 + 20 * 2
+    block = 3 * (4 - 2) + 12 + 12
+    assert t["block_bundles"] == block
+    assert t["step_overhead_us"] == pytest.approx(3e-3)
+    assert t["scheduled_us"] == pytest.approx((items + block + 2 + 3) * 1e-3)
+    # without the grid step's loop trips its loops are read once per grid step
+    once = M.scheduled_from_work(model, grid_steps=3, work_items=10, loop_trips=[8, 20], **kw)
+    assert once["block_bundles"] == 3 * 4
+    with pytest.raises(ValueError, match="2 rolled loops"):
+        M.scheduled_from_work(
+            model, grid_steps=3, work_items=10, loop_trips=[8, 20], block_loop_trips=[1], **kw
+        )
+    # work_items and an item-loop model go together
+    with pytest.raises(ValueError, match="work_items"):
+        M.scheduled_from_work(model, grid_steps=3, loop_trips=[8, 20], **kw)
+    with pytest.raises(ValueError, match="work_items"):
+        M.scheduled_from_work(
+            M.work_model_inputs(s), grid_steps=3, work_items=10, hot_iterations=8, **kw
+        )
+    # a one-step grid has no grid loop: the item loop is the program's top loop and the code
+    # around it (here the write-back loop beside it) the grid step's
+    one = _sched(_LOOPY)
+    m1 = M.work_model_inputs(one, item_loop=True)
+    assert m1["step_bundles"] == model["step_bundles"] + 2 and m1["outside_bundles"] == 0
+    assert m1["block_bundles"] == len(one.bundles) - m1["step_bundles"]
+
+
 def test_named_loops_align_with_the_compiled_step_loops():
     loops = [[1, 5, 2, -1, 0, 0], [2, 4, 2, 0, 1, 0], [14, 15, 1, -1, 0, 0]]
     named = {"fetch": (8, 3), "fetch/pages": 20, "write_back": 2}
@@ -369,8 +453,9 @@ def test_named_loops_align_with_the_compiled_step_loops():
 
 
 def test_paged_rows_name_every_rolled_loop_of_their_step():
-    """Every paged benchmark row's compiled step has exactly the loops tiling.step_loop_trips
-    names for its shape (the program-order mapping the scheduled time charges by)."""
+    """Every paged benchmark row's compiled item loop and grid step have exactly the loops
+    tiling.step_loop_trips names for its shape (the program-order mapping the scheduled time
+    charges by)."""
     import ours
     import schedule_rows
     import shapes
@@ -383,7 +468,11 @@ def test_paged_rows_name_every_rolled_loop_of_their_step():
             )
             assert e is not None and "error" not in e, (shape.name, gen)
             named = adapter.step_loops(shape, gen)
-            M.align_loop_trips(e["_model"]["step_loops"], named)  # raises on a mismatch
+            model = e["_model"]
+            assert model.get("items_in_step"), (shape.name, gen)
+            # raises on a mismatch
+            M.align_loop_trips(model["step_loops"], named["item"])
+            M.align_loop_trips(model["block_loops"], named["block"])
 
 
 def test_per_tile_runs_count_output_tiles_from_the_grid_and_work_list():
@@ -632,33 +721,46 @@ _LOOP_SIGNATURES = {
 @pytest.mark.timeout(600)
 def test_paged_step_loops_are_the_ones_step_loop_trips_names():
     """The int8 decode row (every loop kind: page DMAs with per-token scales, the quad path's
-    spreading matrix, init / write-back) compiled for v6e: the loops outside the step's compute
-    paths are, in program order, the ones tiling.step_loop_trips names, each doing what its name
-    says."""
+    spreading matrix, init / write-back) compiled for v6e: the loops outside the item loop's
+    compute paths, and those of the grid step around the item loop, are in program order the
+    ones tiling.step_loop_trips names, each doing what its name says."""
     import ours
     import schedule_targets
 
     shape = "llama3_8b_decode_b64_ctx8192_int8"
     target, args, name = schedule_targets.resolve("ours:paged_attention", shape)
     (s,) = [x for x in L.dump_schedule(target, "v6e", args, name=name) if x.is_mosaic]
-    model = M.work_model_inputs(s, nested_paths=True)
+    model = M.work_model_inputs(s, nested_paths=True, item_loop=True)
     adapter = ours.ADAPTERS["paged_attention"]
     named = adapter.step_loops(schedule_targets._shape("paged_attention", shape), "v6e")
-    names = [n.split("/")[-1] for n in named]
-    assert names == list(_LOOP_SIGNATURES)
-    # on v6e the step holds exactly the kernel's loops, each doing what its name says
-    assert len(model["step_loops"]) == len(names)
-    pairs = [v if isinstance(v, tuple) else (v, v) for v in named.values()]
-    assert M.align_loop_trips(model["step_loops"], named) == pairs
-    grid = s.grid_loop()
-    loops = {lp.start - grid.start: lp for lp in grid.walk()}
-    for loop_name, row in zip(names, model["step_loops"]):
-        start, _, own, parent, _, branches = row
-        lp = loops[start]
-        ops = s.loop_segment(lp, own=True).ops
-        assert lp.own_bundles == own and _LOOP_SIGNATURES[loop_name](ops), (loop_name, ops)
-        assert parent == (0 if loop_name == "page_copies" else -1)
-        # the item loop's one branch: a partly filled last page's chunk copies (most of its
-        # code, which an item of full pages skips)
-        if loop_name == "item_fetch":
-            assert own / 2 < branches < own, row
+    # one q block: a one-step grid, whose program is the grid step (no grid loop), the item
+    # loop its largest loop
+    item = s.hot_loop()
+    assert item is s.grid_loop() and item.depth == 1 and model["outside_bundles"] == 0
+    top = {lp.start: lp for lp in s.loops if lp.depth == 1}
+    for level, rows, base in (
+        ("item", model["step_loops"], item.start),
+        ("block", model["block_loops"], 0),
+    ):
+        names = [n.split("/")[-1] for n in named[level]]
+        assert set(names) <= set(_LOOP_SIGNATURES), names
+        # on v6e each level holds exactly the kernel's loops, each doing what its name says
+        assert len(rows) == len(names), (level, rows)
+        pairs = [v if isinstance(v, tuple) else (v, v) for v in named[level].values()]
+        assert M.align_loop_trips(rows, named[level]) == pairs
+        loops = (
+            {lp.start - base: lp for lp in item.walk()}
+            if level == "item"
+            else {at - base: lp for at, lp in top.items()}
+        )
+        for loop_name, row in zip(names, rows):
+            start, _, own, parent, _, branches = row
+            lp = loops[start]
+            ops = s.loop_segment(lp, own=True).ops
+            assert lp.own_bundles == own and _LOOP_SIGNATURES[loop_name](ops), (loop_name, ops)
+            assert parent == (0 if loop_name == "page_copies" else -1)
+            # the item loop's one branch: a partly filled last page's chunk copies (most of its
+            # code, which an item of full pages skips)
+            if loop_name == "item_fetch":
+                assert own / 2 < branches < own, row
+    assert [n for n in named["block"]] == ["spread_matrix", "init", "write_back"]

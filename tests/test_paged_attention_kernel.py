@@ -204,7 +204,7 @@ def test_work_list_same_on_host_and_device(batch, window, bq, ppb):
         page_size=PS,
         sliding_window=window,
     )
-    work, total = kernel.build_work_list(
+    work, block_ends = kernel.build_work_list(
         jax.numpy.asarray(b["kv_lens"]),
         jax.numpy.asarray(b["cu"]),
         jax.numpy.asarray(b["ns"]),
@@ -227,8 +227,14 @@ def test_work_list_same_on_host_and_device(batch, window, bq, ppb):
         sliding_window=window,
         causal=True,
     )
-    assert int(total) == len(host) <= max_items
+    block_ends = np.asarray(block_ends)
+    assert int(block_ends[-1]) == len(host) <= max_items
     assert [tuple(int(x) for x in work[:, i]) for i in range(len(host))] == host
+    # each q block's grid step runs its items: [ends[b - 1], ends[b]), at least one, all its own
+    starts = np.concatenate([[0], block_ends[:-1]])
+    assert block_ends.shape == (nqb,) and (block_ends > starts).all()
+    for qb, (lo, hi) in enumerate(zip(starts, block_ends)):
+        assert [it[0] for it in host[lo:hi]] == [qb] * (hi - lo)
     assert (work[3, len(host) :] == 0).all()
     for qb, s, first, npages in host:
         if s < 0:
@@ -1039,10 +1045,10 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
 
 
 def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
-    """The step's loops' iterations over a call, as the kernel runs them: the page loops take an
+    """The kernel's loops' iterations over a call, as it runs them: the page loops take an
     item's full pages (a last page copied short is not one of them: the item loop's branch takes
-    it), the stale-slot zeroing an item's slots past its valid keys, init / write-back one
-    iteration per 16-row chunk of each q block."""
+    it), the stale-slot zeroing an item's slots past its valid keys, and around each q block's
+    items its grid step's init / write-back, one iteration per 16-row chunk."""
     # q block 0: a sequence of 300 keys (3 pages, the last of 44 rows) and one of 256 (2 full
     # pages); q block 1: an empty item, and the first 4 pages of a 640-key sequence
     items = [(0, 0, 0, 3), (0, 1, 0, 2), (1, -1, 0, 0), (1, 2, 0, 4)]
@@ -1050,31 +1056,34 @@ def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
     kw = dict(kv_dtype="int8", num_kv_heads=8, token_major=True, page_size=128, pages_per_block=4)
     trips = tiling.step_loop_trips(items, kv_lens, rows=64, out_dtype="float32", **kw)
     assert trips == {
-        "item_fetch": (4, 1),  # every item is started; one has a partly filled last page
-        "item_fetch/page_copies": 2 + 2 + 4,
-        "init": 2 * 4,  # two q blocks of 64 rows, 16 per iteration
-        "page_waits": 2 + 2 + 4,
-        "stale_zeroing": (4 - 2) + (4 - 2) + 0,
-        "write_back": 2 * 4,
+        "block": {
+            "init": 2 * 4,  # two q blocks of 64 rows, 16 per iteration
+            "write_back": 2 * 4,
+        },
+        "item": {
+            "item_fetch": (4, 1),  # every item is started; one has a partly filled last page
+            "item_fetch/page_copies": 2 + 2 + 4,
+            "page_waits": 2 + 2 + 4,
+            "stale_zeroing": (4 - 2) + (4 - 2) + 0,
+        },
     }
     # 62 rows round up to whole copy tiles (4 tokens of 8 heads: 64), still short of a page; a
     # page filled to its last tile (125 rows: 128) is a full page
     assert tiling.step_loop_trips(
         items, [2 * 128 + 62, 256, 640], rows=64, out_dtype="float32", **kw
-    )["item_fetch"] == (4, 1)
+    )["item"]["item_fetch"] == (4, 1)
     full = tiling.step_loop_trips(
         items, [2 * 128 + 125, 256, 640], rows=64, out_dtype="float32", **kw
-    )
+    )["item"]
     assert full["item_fetch"] == (4, 0) and full["item_fetch/page_copies"] == 3 + 2 + 4
     # a q block of 8 bf16 rows is written in one straight-line pass: no init / write-back loop;
     # the quad path's spreading matrix: 3 x 128 rows of bf16 tiles of 16, once per call
     small = tiling.step_loop_trips(
         items, kv_lens, rows=8, out_dtype="bfloat16", spread_matrix=True, **kw
     )
-    assert "init" not in small and "write_back" not in small
-    assert small["spread_matrix"] == 24
-    assert list(small) == [
-        "item_fetch", "item_fetch/page_copies", "spread_matrix", "page_waits", "stale_zeroing"
+    assert small["block"] == {"spread_matrix": 24}
+    assert list(small["item"]) == [
+        "item_fetch", "item_fetch/page_copies", "page_waits", "stale_zeroing"
     ]  # fmt: skip
 
 
@@ -1238,7 +1247,10 @@ def test_decode_cost_ranks_kv_blocks_by_unit_counts():
         secs = [gens.ranked_seconds(cost(p), gen) for p in (8, 4, 2, 1)]
         assert secs == sorted(secs), (name, secs)
         assert cost(8).compute_tiles == 64 * 8 and cost(8).valu_ops > 0
-        assert gens.ranked_seconds(cost(8, bq=16), gen) == pytest.approx(secs[0])
+        # a q block of 16 of the 64 decode tokens: the same items in four grid steps, not one
+        assert gens.ranked_seconds(cost(8, bq=16), gen) == pytest.approx(
+            secs[0] + 3 * gen.step_overhead_s
+        )
 
         def compute_over_dma(c, gen=gen):
             bundles = gens.tile_bundles(
@@ -1248,7 +1260,7 @@ def test_decode_cost_ranks_kv_blocks_by_unit_counts():
                 valu_ops=c.valu_ops,
                 vmem_loads=c.vmem_loads,
                 tiles=c.compute_tiles,
-            ) + gens.step_bundles(gen, step_vregs=c.step_vregs, grid_steps=c.grid_steps)
+            ) + gens.step_bundles(gen, step_vregs=c.step_vregs, grid_steps=c.work_items)
             return (bundles / gen.clock_hz) / (c.hbm_bytes / gen.hbm_bytes_per_s)
 
         assert compute_over_dma(cost(8, kv_dtype="float8_e4m3fn", token_major=True)) > 1

@@ -170,7 +170,7 @@ class FlashAttention:
 
 
 class PagedAttention:
-    out_field = None  # no flags: first / last of a q block are found by comparing Q_BLOCK
+    out_field = None  # no flags: a q block's items end where the builder's block ends say
     q_lens = np.array([1, 1, 30, 0, 9], np.int32)
     kv_lens = np.array([17, 40, 64, 5, 9], np.int32)
     kw = dict(
@@ -183,7 +183,7 @@ class PagedAttention:
         bound = s.max_items_bound(
             num_q_blocks=6, max_num_seqs=5, pages_per_seq=8, pages_per_block=2
         )
-        work, total = s.build_work_list(
+        work, block_ends = s.build_work_list(
             xp.asarray(self.kv_lens),
             xp.asarray(cu),
             xp.asarray(np.array([5], np.int32)),
@@ -191,7 +191,7 @@ class PagedAttention:
             max_items=None if xp is np else bound,
             **self.kw,
         )
-        assert int(total) <= bound
+        assert int(block_ends[-1]) <= bound
         return work, bound
 
     problem = dict(

@@ -245,7 +245,8 @@ class KernelCost:
     16 rows (`mxu_pushes()`); `eup_pushes` vregs through the EUP (exp, tanh); `valu_ops` VALU vreg
     ops; `vmem_loads` / `vmem_stores` vregs the tiles load from / store to VMEM (operands the MXU
     reads, accumulator read-modify-write); `step_vregs` vregs the grid steps move outside their
-    compute tiles (accumulator init and write-back), summed over the steps (0: not counted)."""
+    compute tiles (accumulator init and write-back), summed over the steps (0: not counted);
+    `work_items`, for a kernel whose grid step loops over several work items, those items."""
 
     useful_flops: int  # the math the caller asked for
     mxu_flops: int  # the math issued, tile padding included
@@ -263,6 +264,10 @@ class KernelCost:
     vmem_loads: int = 0
     vmem_stores: int = 0
     step_vregs: int = 0
+    # a family whose grid step runs a rolled loop over work items, each running the step's own
+    # code (paged attention: a q block's items): the items, charged step_fixed_bundles each in
+    # place of the grid steps (0: one item per grid step)
+    work_items: int = 0
 
     def modelled_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
         """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead (the
@@ -423,7 +428,9 @@ def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: i
             vmem_loads=cost.vmem_loads,
             vmem_stores=cost.vmem_stores,
             tiles=cost.compute_tiles,
-        ) + step_bundles(gen, step_vregs=cost.step_vregs, grid_steps=cost.grid_steps)
+        ) + step_bundles(
+            gen, step_vregs=cost.step_vregs, grid_steps=cost.work_items or cost.grid_steps
+        )
         compute = max(bundles / gen.clock_hz, floor)
     else:
         compute = floor

@@ -12,17 +12,19 @@ sequences: in decode, one block holds up to `block_q` sequences). A static work 
 ops before the kernel and scalar-prefetched into SMEM, holds one item per (q block, sequence,
 KV block) where a KV block is up to `pages_per_block` consecutive pages of that sequence that the
 block's queries can see: pages past the last query position (causal) or entirely before the
-sliding window are never listed, so they cost neither a DMA nor a step. The 1-D grid walks the
-work list; items of one q block are consecutive, so the q block and its output block (BlockSpecs
-indexed by the item's q block) are fetched and written once, and f32 softmax statistics and the
-accumulator stay in VMEM scratch across the block's items. The grid is a static upper bound on the
-list length; steps past the real list do nothing.
+sliding window are never listed, so they cost neither a DMA nor a step. The 1-D grid has one
+step per q block; items of one q block are consecutive, and the step runs them in a rolled loop
+(the work list says where each q block's items end), so the q block and its output block
+(BlockSpecs indexed by the grid step) are fetched and written once, and f32 softmax statistics
+and the accumulator, initialised before the loop and written out after it, stay in VMEM scratch
+across the block's items. A decode batch (one q block) or one long sequence is one grid step:
+a grid step's fixed cost is paid per q block, not per KV block.
 
 KV traffic. Each item's pages are copied by manual DMAs straight from the cache in HBM (one DMA
 per page per cache array, covering every KV head; a sequence's partly filled last page copies only
 its valid rows, rounded up to the sublane tile, in a few power-of-two row chunks),
-double-buffered: while item i is computed, the pages of item i+1 are in flight into the other
-slot. A page is fetched once per q block that needs it. GQA: per KV head, the q block's rows for
+double-buffered: while item i is computed, the pages of item i+1 (of this q block or the next)
+are in flight into the other slot. A page is fetched once per q block that needs it. GQA: per KV head, the q block's rows for
 that head's G query heads (laid out as [Hkv, T * G, D], token-major) are multiplied against the
 head's K and V in one pass. Rows past kv_len and page slots an item did not fill are masked (K)
 and zeroed (V), so stale or NaN cache contents never reach the output.
@@ -217,7 +219,7 @@ def _paged_kernel(
     cu_ref,
     pt_ref,
     work_ref,
-    nitems_ref,
+    block_end_ref,
     # inputs / outputs / scratch
     *refs,
     n_arr: int,
@@ -229,6 +231,7 @@ def _paged_kernel(
     pages_per_block: int,
     pages_per_seq: int,
     max_items: int,
+    num_q_blocks: int,
     narrow: int,
     sm_scale: float,
     soft_cap: float | None,
@@ -287,8 +290,16 @@ def _paged_kernel(
     # heads four at a time (compute_head_quads), per-token scales spread in chunks of tokens.
     spread_chunks = kv_tok // tiling.SPREAD_TOKENS
 
-    i = pl.program_id(0)
-    nitems = nitems_ref[0]
+    # One grid step per q block: its q rows and output block are the step's BlockSpecs, its
+    # statistics are initialised before, and its output written after, a rolled loop over its
+    # work items (consecutive in the list). A grid step is not free (the pipeline's own
+    # bookkeeping, ~0.35 us: tpu_generations.step_overhead_s), so the items of a q block (a
+    # decode batch's hundreds of KV blocks, one long sequence's) share one step, as JAX's
+    # ragged_paged_attention runs its KV blocks.
+    b = pl.program_id(0)
+    item_lo = jnp.where(b == 0, 0, block_end_ref[jnp.maximum(b - 1, 0)])
+    item_hi = block_end_ref[b]
+    nitems = block_end_ref[num_q_blocks - 1]
 
     def field(name, j):
         return LAYOUT.read(work_ref, name, j, max_items)
@@ -404,7 +415,7 @@ def _paged_kernel(
 
     if stream_pt:
         # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
-        @pl.when((i == 0) & (nitems > 0))
+        @pl.when((b == 0) & (nitems > 0))
         def _():
             ids_copy(0).start()
             ids_copy(0).wait()
@@ -413,10 +424,11 @@ def _paged_kernel(
             def _():
                 ids_copy(1).start()
 
-    # Start the pages of item i + 1 into the other slot while item i is computed; step 0 also
-    # starts its own. One loop over the items to start (one code copy of the DMA issue in the
-    # step: the first step's extra fetch used to be a second copy). The step's rolled loops, in
-    # program order, are tiling.step_loop_trips' (the benchmarks charge each by its iterations).
+    # Start the pages of item i + 1 into the other slot while item i is computed; the call's
+    # first item also starts its own. One loop over the items to start (one code copy of the DMA
+    # issue in the item: the first item's extra fetch used to be a second copy). The rolled
+    # loops of the grid step and of its items, in program order, are tiling.step_loop_trips'
+    # (the benchmarks charge each by its iterations).
     def start_item(j, carry):
         if stream_pt:
 
@@ -427,544 +439,554 @@ def _paged_kernel(
         fetch(j, lax.rem(j, 2), start=True)
         return carry
 
-    lax.fori_loop(jnp.where(i == 0, 0, i + 1), jnp.minimum(i + 2, nitems), start_item, 0)
-    if stream_pt:
-        # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
-        @pl.when(i + 2 < nitems)
-        def _():
-            ids_copy(i + 2).start()
-
-    qb = field("Q_BLOCK", i)
-    prev_qb = field("Q_BLOCK", jnp.maximum(i - 1, 0))
-    next_qb = field("Q_BLOCK", jnp.minimum(i + 1, max_items - 1))
-    first_of_block = (i == 0) | (qb != prev_qb)
-
     if quad_heads and token_scales:
 
-        @pl.when(i == 0)
+        @pl.when(b == 0)
         def _():
             _write_spread_matrix(repeat_ref)
 
-    last_of_block = (i == max_items - 1) | (qb != next_qb)
-
-    # The q block's statistics are initialised and its output written once per q block, in
-    # rolled loops over `row_chunk` rows: straight-line, they were ~1000 bundles of the grid
-    # step's code (a decode call has one q block for hundreds of steps).
-    # (tiling.step_loop_trips counts their iterations for the benchmarks' scheduled time.)
+    # The q block's statistics are initialised before its items and its output written after
+    # them, in rolled loops over `row_chunk` rows (straight-line, they were ~1000 bundles).
     row_chunk = tiling.output_row_chunk(rows, o_ref.dtype)
     n_chunks = rows // row_chunk
 
-    @pl.when(first_of_block)
-    def _():
-        def init(c, carry):
-            r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
-            shape = (num_kv_heads, row_chunk, 1)
-            if sinks:
-                # The sink is one more score per query row whose value contributes nothing:
-                # start the running max at it and the denominator at exp(sink - sink) = 1.
-                m_ref[:, r, :] = sink_ref[:, r, :]
-                l_ref[:, r, :] = jnp.ones(shape, jnp.float32)
-            else:
-                m_ref[:, r, :] = jnp.full(shape, NEG, jnp.float32)
-                l_ref[:, r, :] = jnp.zeros(shape, jnp.float32)
-            acc_ref[:, r, :] = jnp.zeros((num_kv_heads, row_chunk, head_dim), jnp.float32)
-            return carry
-
-        lax.fori_loop(0, n_chunks, init, 0)
-
-    seq = jnp.maximum(field("SEQ", i), 0)
-    first_page = field("FIRST_PAGE", i)
-    npages = field("NUM_PAGES", i)
-    q_start = cu_ref[seq]
-    q_end = cu_ref[seq + 1]
-    kv_len = kv_lens_ref[seq]
-    slot = lax.rem(i, 2)
-    blk_tok0 = qb * block_q
-    r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
-    r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
-
-    def valid_keys():
-        """Keys of this item's slot that are valid (the rest of its pages: past kv_len, or not
-        filled)."""
-        return jnp.minimum(npages * page_size, kv_len - first_page * page_size)
-
-    def zero_stale_values():
-        """Zero the value rows of this item's slot past its valid keys (past kv_len in the last
-        page, and page slots the item did not fill): they may hold anything (NaN in TPU
-        interpret mode) and 0 * garbage must not reach the accumulator. Done once per item in
-        VMEM, only for the pages concerned (a loop with no trips for an item of full pages),
-        instead of a select over every head's values in the compute path. Keys need nothing:
-        their scores are replaced by a select."""
-        n_valid = valid_keys()
-
-        def page(p, carry):
-            valid = n_valid - p * page_size  # valid tokens of page slot p (<= 0: none)
-            if token_major:
-                _zero_token_major_page(bufs[n_arr - 1], slot, p, valid)
-            else:
-                keep = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0) < valid
-                for h in range(num_kv_heads):
-                    arr, idx = (0, 2 * h + 1) if n_arr == 1 else (1, h)
-                    x = bufs[arr][slot, p, idx]
-                    bufs[arr][slot, p, idx] = jnp.where(keep, x, jnp.zeros_like(x))
-            return carry
-
-        lax.fori_loop(lax.div(n_valid, page_size), pages_per_block, page, 0)
-
-    def _zero_token_major_page(buf, slot, p, valid):
-        """Token-major page slot p (rows t * Hkv + h): rows of tokens >= valid set to zero. Where
-        a 32-bit word holds whole tokens (8-bit pages: 4 heads of a token; bf16 with an even
-        number of heads: 2), the rows are zeroed as uint32 words, so no 8- or 16-bit select is
-        needed (compiled kernels only: the interpreters cannot store through a bitcast ref)."""
-        pack = 4 // buf.dtype.itemsize
-        if word_stores and pack > 1 and num_kv_heads % pack == 0:
-            words = page_rows // pack
-            view = buf.bitcast(jnp.uint32)
-            start = pl.multiple_of(p * words, 8)
-            x = view[slot, pl.ds(start, words), :]
-            keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) * pack < valid * num_kv_heads
-            view[slot, pl.ds(start, words), :] = jnp.where(keep, x, jnp.zeros_like(x))
-            return
-        start = pl.multiple_of(p * page_rows, tiling.row_tile(buf.dtype))
-        x = buf[slot, pl.ds(start, page_rows), :]
-        keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid * num_kv_heads
-        buf[slot, pl.ds(start, page_rows), :] = jnp.where(keep, x, jnp.zeros_like(x))
-
-    def item_mask(row, col):
-        """Which (q row of the q block, key of the KV block) scores this item keeps: the key is
-        valid (within the item's pages and kv_len), the row is one of the sequence's tokens, and
-        the key is visible to it (causal, sliding window)."""
-        tok = blk_tok0 + lax.div(row, group)
-        qpos = kv_len - (q_end - q_start) + (tok - q_start)
-        kpos = first_page * page_size + col
-        col_ok = (col < npages * page_size) & (kpos < kv_len)
-        mask = col_ok & (tok >= q_start) & (tok < q_end)
-        if causal:
-            mask &= kpos <= qpos
-            if sliding_window is not None:
-                mask &= qpos - kpos < sliding_window
-        return mask
-
-    def own_rows(r0, nr: int, copies: int = 1):
-        """[copies * nr, 1]: which of the rows r0..r0 + nr (stacked `copies` times) are this
-        item's sequence's. The others (other sequences' tokens sharing the rows, or no
-        sequence's) keep their accumulator as it was: their probabilities are 0, but 0 times a
-        NaN value of this sequence is NaN, and it must not reach another sequence's output."""
-        r = lax.broadcasted_iota(jnp.int32, (copies * nr, 1), 0)
-        tok = blk_tok0 + lax.div(r0 + (lax.rem(r, nr) if copies > 1 else r), group)
-        return (tok >= q_start) & (tok < q_end)
-
-    def compute(r0, nr: int):
-        if nr == narrow and quad_heads:
-            # An item of at most nr / 4 rows (a decode token of G <= 4 heads) takes the quad
-            # path; larger items (prefill chunks) the per-head one.
-            @pl.when(r_hi - r_lo <= nr // 4)
-            def _():
-                compute_head_quads(r0, nr)
-
-            @pl.when(r_hi - r_lo > nr // 4)
-            def _():
-                compute_per_head(r0, nr)
-
-            return
-        if nr == narrow and pair_heads:
-            if not compact_pairs:
-                return compute_head_pairs(r0, nr, compact=False)
-
-            # Both pair paths are compiled; an item of at most nr / 2 rows (decode) takes the
-            # compact one.
-            @pl.when(r_hi - r_lo <= nr // 2)
-            def _():
-                compute_head_pairs(r0, nr, compact=True)
-
-            @pl.when(r_hi - r_lo > nr // 2)
-            def _():
-                compute_head_pairs(r0, nr, compact=False)
-
-            return
-        compute_per_head(r0, nr)
-
-    def compute_per_head(r0, nr: int):
-        row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
-        mask = item_mask(row, col)
-        own = own_rows(r0, nr)
-        words = {}
-
-        def head_kv(h):
-            if token_major:
-                k = _token_major_head(bufs[0], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 0)
-                v = _token_major_head(bufs[1], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 1)
-                return k, v
-            if n_arr == 1:
-                k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
-            else:
-                k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
-            # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
-            # sublane tile, so this merge is free.
-            k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
-            v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
-            return k, v
-
-        def scores(h):
-            k, v = head_kv(h)
-            q = q_ref[h, pl.ds(r0, nr), :]
-            if quant is not None:
-                q = q.astype(k.dtype)
-            s = (
-                jax.lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-                * sm_scale
-            )
-            if static_scales:
-                s = s * static_ref[0, h]
-            if token_scales:
-                s = s * scale_bufs[0][slot, pl.ds(h, 1), :]  # [1, kv_tok]: one scale per key
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            return jnp.where(mask, s, NEG), v
-
-        def update(h, s, v):
-            m_prev = m_ref[h, pl.ds(r0, nr), :]
-            l_prev = l_ref[h, pl.ds(r0, nr), :]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-            if token_scales:
-                # V's per-key scales fold into the probabilities (masked: stale slots hold NaN).
-                p = jnp.where(mask, p * scale_bufs[1][slot, pl.ds(h, 1), :], 0.0)
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            if static_scales:
-                pv = pv * static_ref[1, h]
-            m_ref[h, pl.ds(r0, nr), :] = m_new
-            l_ref[h, pl.ds(r0, nr), :] = l_new
-            acc_prev = acc_ref[h, pl.ds(r0, nr), :]
-            acc_ref[h, pl.ds(r0, nr), :] = jnp.where(own, alpha * acc_prev + pv, acc_prev)
-
-        # Each MXU runs its pushes and matmuls in program order, so head h + 1's key push and
-        # score matmul are traced before head h's probability matmul: they then fill the MXUs
-        # while head h's softmax runs on the vector units (in head order, h + 1 would wait for
-        # h's softmax; the decode step was that chain, 8 heads long). A few rows only (the decode
-        # path): two heads' scores of a whole q block would not fit in registers. Not for 8-bit
-        # pages: two heads' unpacked words in flight overran the 32 MiB scoped VMEM on TPU7x.
-        if nr <= 2 * tiling.NARROW_ROWS and quant is None:
-            _scores_one_ahead(num_kv_heads, scores, update)
+    def init(c, carry):
+        r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
+        shape = (num_kv_heads, row_chunk, 1)
+        if sinks:
+            # The sink is one more score per query row whose value contributes nothing: start
+            # the running max at it and the denominator at exp(sink - sink) = 1.
+            m_ref[:, r, :] = sink_ref[:, r, :]
+            l_ref[:, r, :] = jnp.ones(shape, jnp.float32)
         else:
-            for h in range(num_kv_heads):
-                update(h, *scores(h))
+            m_ref[:, r, :] = jnp.full(shape, NEG, jnp.float32)
+            l_ref[:, r, :] = jnp.zeros(shape, jnp.float32)
+        acc_ref[:, r, :] = jnp.zeros((num_kv_heads, row_chunk, head_dim), jnp.float32)
+        return carry
 
-    def compute_head_pairs(r0, nr: int, compact: bool):
-        """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
-        of the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
-        [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
-        them, nothing unpacked (the per-head path moved every word's half to an f32 word and
-        packed it back: 2 of every 3 VALU ops of a decode step). Every q row meets all 2 * kv_tok
-        key rows; a score is kept where the key's head (column parity) is the row's head.
+    lax.fori_loop(0, n_chunks, init, 0)
 
-        Which q rows go to the MXU. Stacked (`compact=False`): the pair's rows, [2 * nr, D]
-        (head 2m's nr rows, then head 2m + 1's). Compact (`compact=True`, an item holding at most
-        nr / 2 of the rows, as a decode token of G <= 8 heads does): one [nr, D] block, the
-        item's own rows of head 2m in place and head 2m + 1's row r in row r +- nr / 2, a row the
-        item does not own. The other rows are other sequences' tokens whose scores would be
-        dropped anyway, so the compact block does the same work on half the score vregs. The
-        rotation by nr / 2 is a swap of two f32 vreg rows (nr = 16); rows that are neither are
-        computed and never stored."""
-        half = nr // 2
-        lhs_rows = nr if compact else 2 * nr
-        shape = (lhs_rows, 2 * kv_tok)
-        row = lax.broadcasted_iota(jnp.int32, shape, 0)
-        col = lax.broadcasted_iota(jnp.int32, shape, 1)
-        if compact:
+    def run_item(i, carry):
+        """Work item i of this q block: start the next item's pages, wait for its own, and run
+        the compute path its rows take."""
+        lax.fori_loop(jnp.where(i == 0, 0, i + 1), jnp.minimum(i + 2, nitems), start_item, 0)
+        if stream_pt:
+            # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
+            @pl.when(i + 2 < nitems)
+            def _():
+                ids_copy(i + 2).start()
+
+        seq = jnp.maximum(field("SEQ", i), 0)
+        first_page = field("FIRST_PAGE", i)
+        npages = field("NUM_PAGES", i)
+        q_start = cu_ref[seq]
+        q_end = cu_ref[seq + 1]
+        kv_len = kv_lens_ref[seq]
+        slot = lax.rem(i, 2)
+        blk_tok0 = b * block_q
+        r_lo = (jnp.maximum(q_start, blk_tok0) - blk_tok0) * group
+        r_hi = (jnp.minimum(q_end, blk_tok0 + block_q) - blk_tok0) * group
+
+        def valid_keys():
+            """Keys of this item's slot that are valid (the rest of its pages: past kv_len, or not
+            filled)."""
+            return jnp.minimum(npages * page_size, kv_len - first_page * page_size)
+
+        def zero_stale_values():
+            """Zero the value rows of this item's slot past its valid keys (past kv_len in the last
+            page, and page slots the item did not fill): they may hold anything (NaN in TPU
+            interpret mode) and 0 * garbage must not reach the accumulator. Done once per item in
+            VMEM, only for the pages concerned (a loop with no trips for an item of full pages),
+            instead of a select over every head's values in the compute path. Keys need nothing:
+            their scores are replaced by a select."""
+            n_valid = valid_keys()
+
+            def page(p, carry):
+                valid = n_valid - p * page_size  # valid tokens of page slot p (<= 0: none)
+                if token_major:
+                    _zero_token_major_page(bufs[n_arr - 1], slot, p, valid)
+                else:
+                    keep = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0) < valid
+                    for h in range(num_kv_heads):
+                        arr, idx = (0, 2 * h + 1) if n_arr == 1 else (1, h)
+                        x = bufs[arr][slot, p, idx]
+                        bufs[arr][slot, p, idx] = jnp.where(keep, x, jnp.zeros_like(x))
+                return carry
+
+            lax.fori_loop(lax.div(n_valid, page_size), pages_per_block, page, 0)
+
+        def _zero_token_major_page(buf, slot, p, valid):
+            """Token-major page slot p (rows t * Hkv + h): rows of tokens >= valid set to zero. Where
+            a 32-bit word holds whole tokens (8-bit pages: 4 heads of a token; bf16 with an even
+            number of heads: 2), the rows are zeroed as uint32 words, so no 8- or 16-bit select is
+            needed (compiled kernels only: the interpreters cannot store through a bitcast ref)."""
+            pack = 4 // buf.dtype.itemsize
+            if word_stores and pack > 1 and num_kv_heads % pack == 0:
+                words = page_rows // pack
+                view = buf.bitcast(jnp.uint32)
+                start = pl.multiple_of(p * words, 8)
+                x = view[slot, pl.ds(start, words), :]
+                keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) * pack < valid * num_kv_heads
+                view[slot, pl.ds(start, words), :] = jnp.where(keep, x, jnp.zeros_like(x))
+                return
+            start = pl.multiple_of(p * page_rows, tiling.row_tile(buf.dtype))
+            x = buf[slot, pl.ds(start, page_rows), :]
+            keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid * num_kv_heads
+            buf[slot, pl.ds(start, page_rows), :] = jnp.where(keep, x, jnp.zeros_like(x))
+
+        def item_mask(row, col):
+            """Which (q row of the q block, key of the KV block) scores this item keeps: the key is
+            valid (within the item's pages and kv_len), the row is one of the sequence's tokens, and
+            the key is visible to it (causal, sliding window)."""
+            tok = blk_tok0 + lax.div(row, group)
+            qpos = kv_len - (q_end - q_start) + (tok - q_start)
+            kpos = first_page * page_size + col
+            col_ok = (col < npages * page_size) & (kpos < kv_len)
+            mask = col_ok & (tok >= q_start) & (tok < q_end)
+            if causal:
+                mask &= kpos <= qpos
+                if sliding_window is not None:
+                    mask &= qpos - kpos < sliding_window
+            return mask
+
+        def own_rows(r0, nr: int, copies: int = 1):
+            """[copies * nr, 1]: which of the rows r0..r0 + nr (stacked `copies` times) are this
+            item's sequence's. The others (other sequences' tokens sharing the rows, or no
+            sequence's) keep their accumulator as it was: their probabilities are 0, but 0 times a
+            NaN value of this sequence is NaN, and it must not reach another sequence's output."""
+            r = lax.broadcasted_iota(jnp.int32, (copies * nr, 1), 0)
+            tok = blk_tok0 + lax.div(r0 + (lax.rem(r, nr) if copies > 1 else r), group)
+            return (tok >= q_start) & (tok < q_end)
+
+        def compute(r0, nr: int):
+            if nr == narrow and quad_heads:
+                # An item of at most nr / 4 rows (a decode token of G <= 4 heads) takes the quad
+                # path; larger items (prefill chunks) the per-head one.
+                @pl.when(r_hi - r_lo <= nr // 4)
+                def _():
+                    compute_head_quads(r0, nr)
+
+                @pl.when(r_hi - r_lo > nr // 4)
+                def _():
+                    compute_per_head(r0, nr)
+
+                return
+            if nr == narrow and pair_heads:
+                if not compact_pairs:
+                    return compute_head_pairs(r0, nr, compact=False)
+
+                # Both pair paths are compiled; an item of at most nr / 2 rows (decode) takes the
+                # compact one.
+                @pl.when(r_hi - r_lo <= nr // 2)
+                def _():
+                    compute_head_pairs(r0, nr, compact=True)
+
+                @pl.when(r_hi - r_lo > nr // 2)
+                def _():
+                    compute_head_pairs(r0, nr, compact=False)
+
+                return
+            compute_per_head(r0, nr)
+
+        def compute_per_head(r0, nr: int):
+            row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, (nr, kv_tok), 1)
+            mask = item_mask(row, col)
             own = own_rows(r0, nr)
-            row_head = jnp.logical_not(own)  # not the item's: head 2m + 1's row r +- nr / 2
-            q_row = r0 + jnp.where(own, row, jnp.where(row < half, row + half, row - half))
-        else:
-            own = own_rows(r0, nr, copies=2)
-            row_head = row >= nr  # the row's head of the pair: 0 or 1
-            q_row = r0 + jnp.where(row_head, row - nr, row)
-        # Column 2t + k is key t of head k: the per-head mask on (row, t), where the heads match.
-        keep = item_mask(q_row, col >> 1)
-        keep &= (col & 1) == row_head.astype(jnp.int32)
-        # Dropped scores become -inf, not NEG: the running max starts at NEG (or a sink logit),
-        # so it stays finite and a dropped score's exp is exactly 0 with no second select (a row
-        # with no kept score keeps m, l and acc: alpha = 1, p = 0). A select, not an additive
-        # bias: a stale key slot (NaN) or the other head's key must not reach a kept row.
-        # Base-2 scores: exp2 is the EUP's op (jnp.exp multiplies every argument by log2(e)
-        # first); log2(e) rides on the score scale, the statistics are converted on load / store.
-        log2e = math.log2(math.e)
-        rs = pl.ds(r0, nr)
+            words = {}
 
-        def pair_kv(m):
-            return tuple(
-                pltpu.bitcast(
-                    bufs[a].bitcast(jnp.uint32)[
-                        slot, pl.ds(m, kv_tok, stride=num_kv_heads // 2), :
-                    ],
-                    bufs[a].dtype,
+            def head_kv(h):
+                if token_major:
+                    k = _token_major_head(
+                        bufs[0], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 0
+                    )
+                    v = _token_major_head(
+                        bufs[1], slot, h, num_kv_heads, kv_tok, unpack_u32, words, 1
+                    )
+                    return k, v
+                if n_arr == 1:
+                    k_arr, k_idx, v_arr, v_idx = 0, 2 * h, 0, 2 * h + 1
+                else:
+                    k_arr, k_idx, v_arr, v_idx = 0, h, 1, h
+                # [pages, page_size, D] -> [pages * page_size, D]: page_size is a multiple of the
+                # sublane tile, so this merge is free.
+                k = bufs[k_arr][slot, :, k_idx].reshape(kv_tok, head_dim)
+                v = bufs[v_arr][slot, :, v_idx].reshape(kv_tok, head_dim)
+                return k, v
+
+            def scores(h):
+                k, v = head_kv(h)
+                q = q_ref[h, pl.ds(r0, nr), :]
+                if quant is not None:
+                    q = q.astype(k.dtype)
+                s = (
+                    jax.lax.dot_general(
+                        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    )
+                    * sm_scale
                 )
-                for a in range(2)
-            )
+                if static_scales:
+                    s = s * static_ref[0, h]
+                if token_scales:
+                    s = s * scale_bufs[0][slot, pl.ds(h, 1), :]  # [1, kv_tok]: one scale per key
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
+                return jnp.where(mask, s, NEG), v
 
-        def swap_halves(x):
-            return jnp.concatenate([x[half:], x[:half]], axis=0)
+            def update(h, s, v):
+                m_prev = m_ref[h, pl.ds(r0, nr), :]
+                l_prev = l_ref[h, pl.ds(r0, nr), :]
+                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+                alpha = jnp.exp(m_prev - m_new)
+                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+                l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+                if token_scales:
+                    # V's per-key scales fold into the probabilities (masked: stale slots hold NaN).
+                    p = jnp.where(mask, p * scale_bufs[1][slot, pl.ds(h, 1), :], 0.0)
+                pv = jax.lax.dot_general(
+                    p.astype(v.dtype),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+                if static_scales:
+                    pv = pv * static_ref[1, h]
+                m_ref[h, pl.ds(r0, nr), :] = m_new
+                l_ref[h, pl.ds(r0, nr), :] = l_new
+                acc_prev = acc_ref[h, pl.ds(r0, nr), :]
+                acc_ref[h, pl.ds(r0, nr), :] = jnp.where(own, alpha * acc_prev + pv, acc_prev)
 
-        def load(ref, m):
-            """(the pair's rows of `ref` as the LHS lays them out, both heads' rows as read)."""
-            x0, x1 = ref[2 * m, rs, :], ref[2 * m + 1, rs, :]
-            if not compact:
-                return jnp.concatenate([x0, x1], axis=0), (x0, x1)
-            # 16-bit q: the row swap in f32, where it moves whole vregs.
-            y = jnp.where(own, x0.astype(jnp.float32), swap_halves(x1.astype(jnp.float32)))
-            return y.astype(x0.dtype), (x0, x1)
+            # Each MXU runs its pushes and matmuls in program order, so head h + 1's key push and
+            # score matmul are traced before head h's probability matmul: they then fill the MXUs
+            # while head h's softmax runs on the vector units (in head order, h + 1 would wait for
+            # h's softmax; the decode step was that chain, 8 heads long). A few rows only (the decode
+            # path): two heads' scores of a whole q block would not fit in registers. Not for 8-bit
+            # pages: two heads' unpacked words in flight overran the 32 MiB scoped VMEM on TPU7x.
+            if nr <= 2 * tiling.NARROW_ROWS and quant is None:
+                _scores_one_ahead(num_kv_heads, scores, update)
+            else:
+                for h in range(num_kv_heads):
+                    update(h, *scores(h))
 
-        def store(ref, m, x, read):
+        def compute_head_pairs(r0, nr: int, compact: bool):
+            """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
+            of the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
+            [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
+            them, nothing unpacked (the per-head path moved every word's half to an f32 word and
+            packed it back: 2 of every 3 VALU ops of a decode step). Every q row meets all 2 * kv_tok
+            key rows; a score is kept where the key's head (column parity) is the row's head.
+
+            Which q rows go to the MXU. Stacked (`compact=False`): the pair's rows, [2 * nr, D]
+            (head 2m's nr rows, then head 2m + 1's). Compact (`compact=True`, an item holding at most
+            nr / 2 of the rows, as a decode token of G <= 8 heads does): one [nr, D] block, the
+            item's own rows of head 2m in place and head 2m + 1's row r in row r +- nr / 2, a row the
+            item does not own. The other rows are other sequences' tokens whose scores would be
+            dropped anyway, so the compact block does the same work on half the score vregs. The
+            rotation by nr / 2 is a swap of two f32 vreg rows (nr = 16); rows that are neither are
+            computed and never stored."""
+            half = nr // 2
+            lhs_rows = nr if compact else 2 * nr
+            shape = (lhs_rows, 2 * kv_tok)
+            row = lax.broadcasted_iota(jnp.int32, shape, 0)
+            col = lax.broadcasted_iota(jnp.int32, shape, 1)
             if compact:
-                ref[2 * m, rs, :] = jnp.where(own, x, read[0])
-                ref[2 * m + 1, rs, :] = jnp.where(own, swap_halves(x), read[1])
+                own = own_rows(r0, nr)
+                row_head = jnp.logical_not(own)  # not the item's: head 2m + 1's row r +- nr / 2
+                q_row = r0 + jnp.where(own, row, jnp.where(row < half, row + half, row - half))
             else:
-                for k in range(2):
-                    ref[2 * m + k, rs, :] = x[k * nr : (k + 1) * nr]
+                own = own_rows(r0, nr, copies=2)
+                row_head = row >= nr  # the row's head of the pair: 0 or 1
+                q_row = r0 + jnp.where(row_head, row - nr, row)
+            # Column 2t + k is key t of head k: the per-head mask on (row, t), where the heads match.
+            keep = item_mask(q_row, col >> 1)
+            keep &= (col & 1) == row_head.astype(jnp.int32)
+            # Dropped scores become -inf, not NEG: the running max starts at NEG (or a sink logit),
+            # so it stays finite and a dropped score's exp is exactly 0 with no second select (a row
+            # with no kept score keeps m, l and acc: alpha = 1, p = 0). A select, not an additive
+            # bias: a stale key slot (NaN) or the other head's key must not reach a kept row.
+            # Base-2 scores: exp2 is the EUP's op (jnp.exp multiplies every argument by log2(e)
+            # first); log2(e) rides on the score scale, the statistics are converted on load / store.
+            log2e = math.log2(math.e)
+            rs = pl.ds(r0, nr)
 
-        def scores(m):
-            k, v = pair_kv(m)
-            s = jax.lax.dot_general(
-                load(q_ref, m)[0], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            if soft_cap is not None:
-                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log2e)
-            else:
-                s = s * (sm_scale * log2e)
-            return jnp.where(keep, s, -jnp.inf), v
+            def pair_kv(m):
+                return tuple(
+                    pltpu.bitcast(
+                        bufs[a].bitcast(jnp.uint32)[
+                            slot, pl.ds(m, kv_tok, stride=num_kv_heads // 2), :
+                        ],
+                        bufs[a].dtype,
+                    )
+                    for a in range(2)
+                )
 
-        def update(m, s, v):
-            m_prev, m_read = load(m_ref, m)
-            l_prev, l_read = load(l_ref, m)
-            acc_prev, acc_read = load(acc_ref, m)
-            m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            acc_new = alpha * acc_prev + pv
-            if not compact:  # the compact store selects the own rows itself
-                acc_new = jnp.where(own, acc_new, acc_prev)
-            store(m_ref, m, m_new * (1.0 / log2e), m_read)
-            store(l_ref, m, l_new, l_read)
-            store(acc_ref, m, acc_new, acc_read)
+            def swap_halves(x):
+                return jnp.concatenate([x[half:], x[:half]], axis=0)
 
-        # As the per-head path: pair m + 1's key push and score matmul are traced before pair
-        # m's probability matmul, so they fill the MXUs while pair m's softmax runs.
-        _scores_one_ahead(num_kv_heads // 2, scores, update)
+            def load(ref, m):
+                """(the pair's rows of `ref` as the LHS lays them out, both heads' rows as read)."""
+                x0, x1 = ref[2 * m, rs, :], ref[2 * m + 1, rs, :]
+                if not compact:
+                    return jnp.concatenate([x0, x1], axis=0), (x0, x1)
+                # 16-bit q: the row swap in f32, where it moves whole vregs.
+                y = jnp.where(own, x0.astype(jnp.float32), swap_halves(x1.astype(jnp.float32)))
+                return y.astype(x0.dtype), (x0, x1)
 
-    def compute_head_quads(r0, nr: int):
-        """The narrow path over 8-bit token-major pages for an item of at most nr / 4 rows (a
-        decode token of G <= 4 query heads per KV head), four KV heads at a time: a uint32 word of
-        the slot holds one token of heads 4j..4j+3, so the quad's words bitcast to 8-bit
-        [4 * kv_tok, D] keys with row 4t + k = token t of head 4j + k, and Mosaic widens them to
-        bf16 as a whole (one unpack per bf16 vreg on v6e / TPU7x; the per-head path extracted
-        each head's byte from every word with shifts and, for e4m3, an integer decode).
+            def store(ref, m, x, read):
+                if compact:
+                    ref[2 * m, rs, :] = jnp.where(own, x, read[0])
+                    ref[2 * m + 1, rs, :] = jnp.where(own, swap_halves(x), read[1])
+                else:
+                    for k in range(2):
+                        ref[2 * m + k, rs, :] = x[k * nr : (k + 1) * nr]
 
-        One [nr, D] left operand carries the four heads' q rows: the item's own rows
-        [off, off + n) hold head 4j's, and head 4j + k's row r rides in row r + k * nr / 4
-        (mod nr), rows the item does not own (a static sublane rotation of that head's rows).
-        Every row meets all 4 * kv_tok keys; a score is kept where the key's head (column % 4) is
-        the row's. Rows that are no head's (past the item's n rows in each quarter) are computed
-        and never stored, as are the other heads' scores of a row.
+            def scores(m):
+                k, v = pair_kv(m)
+                s = jax.lax.dot_general(
+                    load(q_ref, m)[0],
+                    k,
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+                if soft_cap is not None:
+                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log2e)
+                else:
+                    s = s * (sm_scale * log2e)
+                return jnp.where(keep, s, -jnp.inf), v
 
-        Scales: per-head static scales are per row (the row's head). Per-token scales need,
-        at score column 4t + k, the scale of head 4j + k's token t: a lane interleave of four
-        heads' scale rows, which Mosaic has no op for. The MXU makes it (`spread_token_scales`,
-        once per item for all heads): the slot's [Hkv, kv_tok] scales cut in 128-token chunks,
-        rows (chunk, head), times a 0/1 matrix repeating each token's scale over 4 columns give
-        [chunks * Hkv, 512], row (c, h) column n = head h's scale of token 128c + n // 4; a quad's
-        columns are then four sublane-strided loads of it (heads 4j..4j+3) and a select on
-        n % 4. Exact: the f32 scales go in as three bf16 parts (8 + 8 + 8 significant bits) side
-        by side against the matrix stacked three times, and the MXU sums them in f32."""
-        quarter = nr // 4
-        shape = (nr, 4 * kv_tok)
-        col = lax.broadcasted_iota(jnp.int32, shape, 1)
-        r1 = lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
-        own = own_rows(r0, nr)
-        # The row's head in the quad (0..3): which quarter of the rotation it sits in.
-        rel = lax.rem(r1 - (r_lo - r0) + nr, nr)
-        row_head = lax.div(rel, quarter)
-        src = lax.rem(r1 - row_head * quarter + nr, nr)  # the q row it carries
-        # Which scores are kept: column 4t + k is key t of head k, kept on the rows of head k
-        # where key t is valid and visible to the row's token, i.e. inside one interval of
-        # columns per row ([4 * first, 4 * end) for keys [first, end)). Only the item's own
-        # rows are stored, so the row's token need not be tested (the other rows' intervals
-        # are whatever their tokens give, and never read).
-        tok = blk_tok0 + lax.div(r0 + src, group)
-        qpos = kv_len - (q_end - q_start) + (tok - q_start) - first_page * page_size
-        end = jnp.full((nr, 1), valid_keys(), jnp.int32)
-        if causal:
-            end = jnp.minimum(end, qpos + 1)
-        keep = (col < 4 * end) & ((col & 3) == row_head)
-        if causal and sliding_window is not None:
-            keep &= col >= 4 * (qpos - sliding_window + 1)
-        log2e = math.log2(math.e)
-        rs = pl.ds(r0, nr)
-        byte_dtype = jnp.float8_e4m3fn if quant == "fp8" else jnp.int8
+            def update(m, s, v):
+                m_prev, m_read = load(m_ref, m)
+                l_prev, l_read = load(l_ref, m)
+                acc_prev, acc_read = load(acc_ref, m)
+                m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
+                pv = jax.lax.dot_general(
+                    p.astype(v.dtype),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+                acc_new = alpha * acc_prev + pv
+                if not compact:  # the compact store selects the own rows itself
+                    acc_new = jnp.where(own, acc_new, acc_prev)
+                store(m_ref, m, m_new * (1.0 / log2e), m_read)
+                store(l_ref, m, l_new, l_read)
+                store(acc_ref, m, acc_new, acc_read)
 
-        if token_scales:
+            # As the per-head path: pair m + 1's key push and score matmul are traced before pair
+            # m's probability matmul, so they fill the MXUs while pair m's softmax runs.
+            _scores_one_ahead(num_kv_heads // 2, scores, update)
 
-            def spread_token_scales(a):
-                x = scale_bufs[a][slot]  # [Hkv, kv_tok]
-                tok = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-                # Stale slots may hold NaN: it would spread over its whole chunk row.
-                x = jnp.where(tok < valid_keys(), x, 0.0)
-                spread = _spread_scales(x, repeat_ref[...])
-                # Stored as 4 lane blocks [4, chunks * Hkv, 128]: Mosaic's strided loads need
-                # 128-lane rows.
-                t = tiling.SPREAD_TOKENS
-                for b in range(4):
-                    spread_refs[a][b] = spread[:, b * t : (b + 1) * t]
+        def compute_head_quads(r0, nr: int):
+            """The narrow path over 8-bit token-major pages for an item of at most nr / 4 rows (a
+            decode token of G <= 4 query heads per KV head), four KV heads at a time: a uint32 word of
+            the slot holds one token of heads 4j..4j+3, so the quad's words bitcast to 8-bit
+            [4 * kv_tok, D] keys with row 4t + k = token t of head 4j + k, and Mosaic widens them to
+            bf16 as a whole (one unpack per bf16 vreg on v6e / TPU7x; the per-head path extracted
+            each head's byte from every word with shifts and, for e4m3, an integer decode).
 
-            spread_token_scales(0)
-            spread_token_scales(1)
+            One [nr, D] left operand carries the four heads' q rows: the item's own rows
+            [off, off + n) hold head 4j's, and head 4j + k's row r rides in row r + k * nr / 4
+            (mod nr), rows the item does not own (a static sublane rotation of that head's rows).
+            Every row meets all 4 * kv_tok keys; a score is kept where the key's head (column % 4) is
+            the row's. Rows that are no head's (past the item's n rows in each quarter) are computed
+            and never stored, as are the other heads' scores of a row.
 
-            def by_columns(x, a, j, factor=1.0):
-                """x [nr, 4 * kv_tok] times the quad's per-token scales of cache a at its
-                columns (column 4t + k: head 4j + k's scale of token t), times `factor` (a
-                constant riding on the [chunks, 512] scales, not on every score)."""
-                width = 4 * tiling.SPREAD_TOKENS
-                lane = lax.broadcasted_iota(jnp.int32, (spread_chunks, width), 1) & 3
-                rows = [
-                    jnp.concatenate(
+            Scales: per-head static scales are per row (the row's head). Per-token scales need,
+            at score column 4t + k, the scale of head 4j + k's token t: a lane interleave of four
+            heads' scale rows, which Mosaic has no op for. The MXU makes it (`spread_token_scales`,
+            once per item for all heads): the slot's [Hkv, kv_tok] scales cut in 128-token chunks,
+            rows (chunk, head), times a 0/1 matrix repeating each token's scale over 4 columns give
+            [chunks * Hkv, 512], row (c, h) column n = head h's scale of token 128c + n // 4; a quad's
+            columns are then four sublane-strided loads of it (heads 4j..4j+3) and a select on
+            n % 4. Exact: the f32 scales go in as three bf16 parts (8 + 8 + 8 significant bits) side
+            by side against the matrix stacked three times, and the MXU sums them in f32."""
+            quarter = nr // 4
+            shape = (nr, 4 * kv_tok)
+            col = lax.broadcasted_iota(jnp.int32, shape, 1)
+            r1 = lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
+            own = own_rows(r0, nr)
+            # The row's head in the quad (0..3): which quarter of the rotation it sits in.
+            rel = lax.rem(r1 - (r_lo - r0) + nr, nr)
+            row_head = lax.div(rel, quarter)
+            src = lax.rem(r1 - row_head * quarter + nr, nr)  # the q row it carries
+            # Which scores are kept: column 4t + k is key t of head k, kept on the rows of head k
+            # where key t is valid and visible to the row's token, i.e. inside one interval of
+            # columns per row ([4 * first, 4 * end) for keys [first, end)). Only the item's own
+            # rows are stored, so the row's token need not be tested (the other rows' intervals
+            # are whatever their tokens give, and never read).
+            tok = blk_tok0 + lax.div(r0 + src, group)
+            qpos = kv_len - (q_end - q_start) + (tok - q_start) - first_page * page_size
+            end = jnp.full((nr, 1), valid_keys(), jnp.int32)
+            if causal:
+                end = jnp.minimum(end, qpos + 1)
+            keep = (col < 4 * end) & ((col & 3) == row_head)
+            if causal and sliding_window is not None:
+                keep &= col >= 4 * (qpos - sliding_window + 1)
+            log2e = math.log2(math.e)
+            rs = pl.ds(r0, nr)
+            byte_dtype = jnp.float8_e4m3fn if quant == "fp8" else jnp.int8
+
+            if token_scales:
+
+                def spread_token_scales(a):
+                    x = scale_bufs[a][slot]  # [Hkv, kv_tok]
+                    tok = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                    # Stale slots may hold NaN: it would spread over its whole chunk row.
+                    x = jnp.where(tok < valid_keys(), x, 0.0)
+                    spread = _spread_scales(x, repeat_ref[...])
+                    # Stored as 4 lane blocks [4, chunks * Hkv, 128]: Mosaic's strided loads need
+                    # 128-lane rows.
+                    t = tiling.SPREAD_TOKENS
+                    for b in range(4):
+                        spread_refs[a][b] = spread[:, b * t : (b + 1) * t]
+
+                spread_token_scales(0)
+                spread_token_scales(1)
+
+                def by_columns(x, a, j, factor=1.0):
+                    """x [nr, 4 * kv_tok] times the quad's per-token scales of cache a at its
+                    columns (column 4t + k: head 4j + k's scale of token t), times `factor` (a
+                    constant riding on the [chunks, 512] scales, not on every score)."""
+                    width = 4 * tiling.SPREAD_TOKENS
+                    lane = lax.broadcasted_iota(jnp.int32, (spread_chunks, width), 1) & 3
+                    rows = [
+                        jnp.concatenate(
+                            [
+                                spread_refs[a].at[b][
+                                    pl.ds(4 * j + k, spread_chunks, stride=num_kv_heads), :
+                                ]
+                                for b in range(4)
+                            ],
+                            axis=1,
+                        )
+                        for k in range(4)
+                    ]
+                    e = rows[3]
+                    for k in (2, 1, 0):
+                        e = jnp.where(lane == k, rows[k], e)
+                    if factor != 1.0:
+                        e = e * factor
+                    return jnp.concatenate(
                         [
-                            spread_refs[a].at[b][
-                                pl.ds(4 * j + k, spread_chunks, stride=num_kv_heads), :
-                            ]
-                            for b in range(4)
+                            x[:, c * width : (c + 1) * width] * e[c : c + 1]
+                            for c in range(spread_chunks)
                         ],
                         axis=1,
                     )
-                    for k in range(4)
-                ]
-                e = rows[3]
+
+            def quad_kv(j):
+                def load(a):
+                    view = bufs[a].bitcast(jnp.uint32)
+                    if num_kv_heads == 4:
+                        w = view[slot]
+                    else:
+                        w = view[slot, pl.ds(j, kv_tok, stride=num_kv_heads // 4), :]
+                    return pltpu.bitcast(w, byte_dtype).astype(jnp.bfloat16)
+
+                return load(0), load(1)
+
+            def per_row(values):
+                """[nr, 1]: values[k] on the rows of head 4j + k."""
+                out = jnp.full((nr, 1), values[3], jnp.float32)
                 for k in (2, 1, 0):
-                    e = jnp.where(lane == k, rows[k], e)
-                if factor != 1.0:
-                    e = e * factor
-                return jnp.concatenate(
-                    [
-                        x[:, c * width : (c + 1) * width] * e[c : c + 1]
-                        for c in range(spread_chunks)
-                    ],
-                    axis=1,
+                    out = jnp.where(row_head == k, values[k], out)
+                return out
+
+            def load(ref, j):
+                """(the quad's rows of `ref` as the LHS lays them out, the four heads' rows as
+                read). 16-bit q is rotated in f32, where a sublane rotation moves whole words."""
+                xs = [ref[4 * j + k, rs, :] for k in range(4)]
+                y = xs[0].astype(jnp.float32)
+                for k in range(1, 4):
+                    rolled = pltpu.roll(xs[k].astype(jnp.float32), k * quarter, 0)
+                    y = jnp.where(row_head == k, rolled, y)
+                return y.astype(xs[0].dtype), xs
+
+            def store(ref, j, x, read):
+                for k in range(4):
+                    back = x if k == 0 else pltpu.roll(x, nr - k * quarter, 0)
+                    ref[4 * j + k, rs, :] = jnp.where(own, back, read[k])
+
+            def scores(j):
+                k, v = quad_kv(j)
+                s = jax.lax.dot_general(
+                    load(q_ref, j)[0],
+                    k,
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
                 )
-
-        def quad_kv(j):
-            def load(a):
-                view = bufs[a].bitcast(jnp.uint32)
-                if num_kv_heads == 4:
-                    w = view[slot]
+                # The softmax scale (and log2(e), or 1 / soft cap) rides on the column scales where
+                # there are any, else on the per-row static scales, else it is one multiply.
+                factor = sm_scale / soft_cap if soft_cap is not None else sm_scale * log2e
+                if token_scales and not static_scales:
+                    s = by_columns(s, 0, j, factor)
                 else:
-                    w = view[slot, pl.ds(j, kv_tok, stride=num_kv_heads // 4), :]
-                return pltpu.bitcast(w, byte_dtype).astype(jnp.bfloat16)
+                    if token_scales:
+                        s = by_columns(s, 0, j)
+                    if static_scales:
+                        factor = per_row([static_ref[0, 4 * j + k] for k in range(4)]) * factor
+                    s = s * factor
+                if soft_cap is not None:
+                    s = jnp.tanh(s) * (soft_cap * log2e)
+                return jnp.where(keep, s, -jnp.inf), v
 
-            return load(0), load(1)
-
-        def per_row(values):
-            """[nr, 1]: values[k] on the rows of head 4j + k."""
-            out = jnp.full((nr, 1), values[3], jnp.float32)
-            for k in (2, 1, 0):
-                out = jnp.where(row_head == k, values[k], out)
-            return out
-
-        def load(ref, j):
-            """(the quad's rows of `ref` as the LHS lays them out, the four heads' rows as
-            read). 16-bit q is rotated in f32, where a sublane rotation moves whole words."""
-            xs = [ref[4 * j + k, rs, :] for k in range(4)]
-            y = xs[0].astype(jnp.float32)
-            for k in range(1, 4):
-                rolled = pltpu.roll(xs[k].astype(jnp.float32), k * quarter, 0)
-                y = jnp.where(row_head == k, rolled, y)
-            return y.astype(xs[0].dtype), xs
-
-        def store(ref, j, x, read):
-            for k in range(4):
-                back = x if k == 0 else pltpu.roll(x, nr - k * quarter, 0)
-                ref[4 * j + k, rs, :] = jnp.where(own, back, read[k])
-
-        def scores(j):
-            k, v = quad_kv(j)
-            s = jax.lax.dot_general(
-                load(q_ref, j)[0], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            # The softmax scale (and log2(e), or 1 / soft cap) rides on the column scales where
-            # there are any, else on the per-row static scales, else it is one multiply.
-            factor = sm_scale / soft_cap if soft_cap is not None else sm_scale * log2e
-            if token_scales and not static_scales:
-                s = by_columns(s, 0, j, factor)
-            else:
-                if token_scales:
-                    s = by_columns(s, 0, j)
+            def update(j, s, v):
+                m_prev, m_read = load(m_ref, j)
+                l_prev, l_read = load(l_ref, j)
+                acc_prev, acc_read = load(acc_ref, j)
+                m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
+                if token_scales:  # V's per-token scales fold into the probabilities
+                    p = by_columns(p, 1, j)
+                pv = jax.lax.dot_general(
+                    p.astype(jnp.bfloat16),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
                 if static_scales:
-                    factor = per_row([static_ref[0, 4 * j + k] for k in range(4)]) * factor
-                s = s * factor
-            if soft_cap is not None:
-                s = jnp.tanh(s) * (soft_cap * log2e)
-            return jnp.where(keep, s, -jnp.inf), v
+                    pv = pv * per_row([static_ref[1, 4 * j + k] for k in range(4)])
+                store(m_ref, j, m_new * (1.0 / log2e), m_read)
+                store(l_ref, j, l_new, l_read)
+                store(acc_ref, j, alpha * acc_prev + pv, acc_read)
 
-        def update(j, s, v):
-            m_prev, m_read = load(m_ref, j)
-            l_prev, l_read = load(l_ref, j)
-            acc_prev, acc_read = load(acc_ref, j)
-            m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
-            if token_scales:  # V's per-token scales fold into the probabilities
-                p = by_columns(p, 1, j)
-            pv = jax.lax.dot_general(
-                p.astype(jnp.bfloat16),
-                v,
-                (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-            if static_scales:
-                pv = pv * per_row([static_ref[1, 4 * j + k] for k in range(4)])
-            store(m_ref, j, m_new * (1.0 / log2e), m_read)
-            store(l_ref, j, l_new, l_read)
-            store(acc_ref, j, alpha * acc_prev + pv, acc_read)
+            _scores_one_ahead(num_kv_heads // 4, scores, update)
 
-        _scores_one_ahead(num_kv_heads // 4, scores, update)
-
-    active = (i < nitems) & (npages > 0)
-
-    @pl.when(active)
-    def _():
-        fetch(i, slot, start=False)
-        zero_stale_values()
-
-    if narrow < rows:
-        # Non-negative operands: truncating division (Mosaic has no floor division lowering for
-        # every generation).
-        fits = lax.div(r_lo, narrow) == lax.div(r_hi - 1, narrow)
-
-        @pl.when(active & fits)
-        def _():
-            compute(pl.multiple_of(lax.div(r_lo, narrow) * narrow, narrow), narrow)
-
-        @pl.when(active & jnp.logical_not(fits))
-        def _():
-            compute(0, rows)
-    else:
+        active = npages > 0
 
         @pl.when(active)
         def _():
-            compute(0, rows)
+            fetch(i, slot, start=False)
+            zero_stale_values()
 
-    @pl.when(last_of_block)
-    def _():
-        def finish(c, carry):
-            r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
-            l = l_ref[:, r, :]
-            o_ref[:, r, :] = (acc_ref[:, r, :] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
-            return carry
+        if narrow < rows:
+            # Non-negative operands: truncating division (Mosaic has no floor division lowering for
+            # every generation).
+            fits = lax.div(r_lo, narrow) == lax.div(r_hi - 1, narrow)
 
-        lax.fori_loop(0, n_chunks, finish, 0)
+            @pl.when(active & fits)
+            def _():
+                compute(pl.multiple_of(lax.div(r_lo, narrow) * narrow, narrow), narrow)
+
+            @pl.when(active & jnp.logical_not(fits))
+            def _():
+                compute(0, rows)
+        else:
+
+            @pl.when(active)
+            def _():
+                compute(0, rows)
+
+        return carry
+
+    lax.fori_loop(item_lo, item_hi, run_item, 0)
+
+    def finish(c, carry):
+        r = pl.ds(pl.multiple_of(c * row_chunk, row_chunk), row_chunk)
+        l = l_ref[:, r, :]
+        o_ref[:, r, :] = (acc_ref[:, r, :] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, n_chunks, finish, 0)
 
 
 def token_major_supported(kv_dtype, num_kv_heads: int, page_size: int | None = None) -> bool:
@@ -1243,7 +1265,7 @@ def _attention(
         sliding_window=sliding_window if causal else None,
     )
     stream_pt = tiling.streams_page_table(S, pages_per_seq, cfg)
-    smem = tiling.smem_bytes(S, pages_per_seq, max_items, stream_pt)
+    smem = tiling.smem_bytes(S, pages_per_seq, max_items, stream_pt, nqb)
     if smem > tiling.SMEM_BUDGET_BYTES:
         raise ValueError(
             f"work list ({max_items} items) and page table ({S} x {pages_per_seq}, "
@@ -1254,7 +1276,7 @@ def _attention(
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32).reshape(1)
-    work, total = build_work_list(
+    work, block_ends = build_work_list(
         kv_lens,
         cu_q_lens,
         num_seqs,
@@ -1293,6 +1315,7 @@ def _attention(
         pages_per_block=ppb,
         pages_per_seq=pages_per_seq,
         max_items=max_items,
+        num_q_blocks=nqb,
         narrow=tiling.narrow_rows(group, rows),
         sm_scale=sm_scale,
         soft_cap=soft_cap,
@@ -1327,8 +1350,8 @@ def _attention(
         extra_in.append(sink_rows.reshape(hkv, rows, 1))
         extra_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, 0, 0)))
 
-    def qo_map(i, kv_lens_ref, cu_ref, pt_ref, work_ref, nitems_ref):
-        return (0, LAYOUT.read(work_ref, "Q_BLOCK", i, max_items), 0)
+    def qo_map(b, *_):
+        return (0, b, 0)
 
     gen = get_generation(generation)
     need = tiling.vmem_need_bytes(
@@ -1352,7 +1375,7 @@ def _attention(
         ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(max_items,),
+        grid=(nqb,),
         in_specs=[pl.BlockSpec((hkv, rows, d), qo_map)]
         + [pl.BlockSpec(memory_space=pl.ANY)] * n_arr
         + extra_specs
@@ -1404,7 +1427,7 @@ def _attention(
         cu_q_lens,
         pt_smem,
         work.reshape(-1),
-        total.reshape(1),
+        block_ends,
         qh,
         *caches,
         *extra_in,

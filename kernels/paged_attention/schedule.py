@@ -5,8 +5,8 @@ the list has the static length `max_items` and a padding tail) and for the host 
 model and the tests, the list exactly as long as its items), following the collection's shared
 contract (torch-ext/work_list.py): records of `LAYOUT` in one flat field-major SMEM array. The
 records carry no flags: an empty item (a q block that holds no sequence's token) has SEQ == -1
-and NUM_PAGES == 0, and the kernel finds a q block's first and last items by comparing Q_BLOCK
-with its neighbours'. Imported by kernel.py and tiling.py alike.
+and NUM_PAGES == 0; items are in q-block order, and each q block's end in the list (the second
+array the builder returns) tells the kernel's grid step of that block which items to run. Imported by kernel.py and tiling.py alike.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def build_work_list(
     xp: Any = None,
 ):
     """The kernel's work list as an int32 array [4, L] (LAYOUT.stack: Q_BLOCK, SEQ, FIRST_PAGE,
-    NUM_PAGES; see the kernel module's docstring) and the number of real items.
+    NUM_PAGES; see the kernel module's docstring) and each q block's end in it, int32
+    [num_q_blocks]: q block b owns items [ends[b - 1], ends[b]) (its grid step runs them), the
+    last entry is the number of real items.
 
     One item per (q block, sequence, KV block of up to `pages_per_block` pages the block's
     queries can see), in q-block order, and one empty item for a q block with none. `kv_lens`
@@ -103,6 +105,7 @@ def build_work_list(
     ends = xp.cumsum(counts)
     starts = ends - counts
     total = ends[-1]
+    block_ends = xp.cumsum(counts.reshape(num_q_blocks, num_slots + 1).sum(axis=1))
     length = int(total) if max_items is None else max_items
     i = xp.arange(length, dtype=xp.int32)
     pair = xp.minimum(xp.searchsorted(ends, i, side="right"), counts.shape[0] - 1)
@@ -121,7 +124,7 @@ def build_work_list(
     work = LAYOUT.stack(
         dict(Q_BLOCK=q_block, SEQ=seq, FIRST_PAGE=first, NUM_PAGES=npages), xp
     ).astype(xp.int32)
-    return work, total.astype(xp.int32)
+    return work, block_ends.astype(xp.int32)
 
 
 def compute_paths(*, rows: int, narrow: int, compact: int = 0) -> tuple[str, ...]:
@@ -188,7 +191,7 @@ def host_work_list(
     q_lens = np.asarray(q_lens, np.int32).reshape(-1)
     kv_lens = np.asarray(kv_lens, np.int32).reshape(-1)
     cu = np.concatenate([np.zeros(1, np.int32), np.cumsum(q_lens, dtype=np.int32)])
-    work, total = build_work_list(
+    work, block_ends = build_work_list(
         kv_lens,
         cu,
         np.array([len(q_lens)], np.int32),
@@ -201,7 +204,7 @@ def host_work_list(
         max_items=None,
         xp=np,
     )
-    return [tuple(int(x) for x in work[:, j]) for j in range(int(total))]
+    return [tuple(int(x) for x in work[:, j]) for j in range(int(block_ends[-1]))]
 
 
 __all__ = ["LAYOUT", "build_work_list", "compute_path", "host_work_list", "max_items_bound"]

@@ -142,19 +142,22 @@ def step_loop_trips(
     page_size: int,
     pages_per_block: int,
     spread_matrix: bool = False,
-) -> dict[str, int | tuple[int, int]]:
-    """The rolled loops of the kernel's grid step outside its compute paths, in program order
-    (kernel.py `_paged_kernel`), each with its iterations over the whole call for the work list
-    `items` ((q_block, seq, first_page, num_pages) tuples, `host_work_list`). A compiled
-    schedule reads each loop's body once per step; these are the counts the benchmarks' scheduled
-    time charges them by (`schedule_model.scheduled_from_work(loop_trips=...)`):
-    - `item_fetch`: the loop over the items a step starts (each item once; its branch around a
+) -> dict[str, dict[str, int | tuple[int, int]]]:
+    """The kernel's rolled loops outside its compute paths, in program order (kernel.py
+    `_paged_kernel`), each with its iterations over the whole call for the work list `items`
+    ((q_block, seq, first_page, num_pages) tuples, `host_work_list`). A compiled schedule reads
+    each loop's body once; these are the counts the benchmarks' scheduled time charges them by
+    (`schedule_model.scheduled_from_work(loop_trips=..., block_loop_trips=...)`).
+
+    "block": the grid step's own loops, around its loop over the q block's items:
+    - `spread_matrix`: the quad path's 0/1 spreading matrix, written once per call;
+    - `init` / `write_back`: the q block's statistics and output, once per q block, in chunks of
+      `output_row_chunk` rows (no loop when one chunk covers the block).
+    "item": the loops of one item:
+    - `item_fetch`: the loop over the items an item starts (each item once; its branch around a
       partly filled last page's chunk copies runs once per such item: (items, such items)),
       holding `item_fetch/page_copies` (one iteration per full page: its K / V DMAs, and its
       scales' with per-token scales);
-    - `spread_matrix`: the quad path's 0/1 spreading matrix, written once per call;
-    - `init` / `write_back`: a q block's statistics and output, once per q block, in chunks of
-      `output_row_chunk` rows (no loop when one chunk covers the block);
     - `page_waits`: the waits for a busy item's copies, one iteration per full page;
     - `stale_zeroing`: a busy item's page slots past its valid keys."""
     tile = copy_tile(kv_dtype, num_kv_heads, token_major)
@@ -171,17 +174,20 @@ def step_loop_trips(
         cut += int(partial)
         n_valid = min(npages * page_size, kv_len - first * page_size)
         stale += pages_per_block - n_valid // page_size
-    q_blocks = sum(1 for j, it in enumerate(items) if j == 0 or it[0] != items[j - 1][0])
-    loops = {"item_fetch": (len(items), cut), "item_fetch/page_copies": full}
+    q_blocks = len({it[0] for it in items})
+    block: dict[str, int | tuple[int, int]] = {}
     if spread_matrix:
-        loops["spread_matrix"] = 3 * SPREAD_TOKENS // row_tile(np.float16)  # bf16 row tiles
+        block["spread_matrix"] = 3 * SPREAD_TOKENS // row_tile(np.float16)  # bf16 row tiles
     if n_chunks > 1:
-        loops["init"] = q_blocks * n_chunks
-    loops["page_waits"] = full
-    loops["stale_zeroing"] = stale
-    if n_chunks > 1:
-        loops["write_back"] = q_blocks * n_chunks
-    return loops
+        block["init"] = q_blocks * n_chunks
+        block["write_back"] = q_blocks * n_chunks
+    item = {
+        "item_fetch": (len(items), cut),
+        "item_fetch/page_copies": full,
+        "page_waits": full,
+        "stale_zeroing": stale,
+    }
+    return {"block": block, "item": item}
 
 
 def narrow_rows(group: int, rows: int) -> int:
@@ -269,8 +275,8 @@ def choose_config(
     def kv_block(tokens):
         return max(1, tokens // page_size)
 
-    # Preference order (first that fits the budget wins): large KV blocks cut decode's per-step
-    # cost (one step per KV block); large q blocks cut how often a long prefill's KV is re-read
+    # Preference order (first that fits the budget wins): large KV blocks cut decode's per-item
+    # cost (one item per KV block); large q blocks cut how often a long prefill's KV is re-read
     # (once per q block). Decode items take the narrow path whatever the q block, and a q block
     # never exceeds the batch's tokens, so decode-only batches get small q blocks for free.
     # 1024-token KV blocks come first down to 256-row q blocks: in a mixed batch the decode
@@ -279,7 +285,7 @@ def choose_config(
     # (TPU7x's 24 MiB budget, mixed batch of 63 decodes + 2048 prefill: 632 busy steps at
     # 64 x 8 pages instead of 1256 at 128 x 4, compiled schedule in benchmarks/results).
     # 2048-token KV blocks come next: the model takes them where halving the steps beats its
-    # tolerance (each step's fixed cost, its own code and a decode item's per-item work), not
+    # tolerance (each item's own code and a decode item's per-item work), not
     # on a tie, since they double the KV slots and the score temporaries (31 MiB at 64-token q
     # blocks for Llama-3-8B: not within TPU7x's budget).
     prefs = [(r, 1024) for r in (1024, 512, 256)]
@@ -321,9 +327,26 @@ def choose_config(
         for c in candidates
         if vmem_need_bytes(block_q=c[0], pages_per_block=c[1], **kw) <= budget
     ]
-    best = _generations.best_tiles(
-        fitting, gen, tie_break=order.__getitem__, within=RANKING_TOLERANCE
-    )
+    # Ties: the preference order picks the q block (it sets how often a prefill's keys are
+    # re-read, which the decode-only static batch cannot show: v5e's mixed batch of 63 decodes +
+    # 2048 prefill moves 2.66 GB at 128 x 8 pages, 3.13 GB at 64 x 16); among the tied KV blocks
+    # at that q block, those whose compute (the time without DMA) is within the tolerance of the
+    # least go first, then the preference order again. The static batch is DMA-bound on most
+    # generations, where the ranking alone cannot tell the KV blocks apart, but the compute of a
+    # batch that is not DMA-bound (8-bit caches, chunks of prefill) is what differs.
+    secs = {c: _generations.ranked_seconds(cost, gen) for c, cost in fitting}
+    compute = {
+        c: _generations.ranked_seconds(dataclasses.replace(cost, hbm_bytes=0), gen)
+        for c, cost in fitting
+    }
+    near = [c for c in secs if secs[c] <= min(secs.values()) * (1.0 + RANKING_TOLERANCE)]
+    block_q0 = min(near, key=order.__getitem__)[0] if near else None
+    least = min((compute[c] for c in near if c[0] == block_q0), default=0.0)
+
+    def tie_break(c):
+        return (c[0] != block_q0, compute[c] > least * (1.0 + RANKING_TOLERANCE), order[c])
+
+    best = _generations.best_tiles(fitting, gen, tie_break=tie_break, within=RANKING_TOLERANCE)
     # nothing fits: the smallest tiles (overrides taken as given)
     block_q, ppb = best[0] if best is not None else candidates[-1]
     ppb = max(1, min(ppb, pages_per_seq))
@@ -389,9 +412,10 @@ def choose_config(
 #   column multiplies) in place of the per-head path's 3; per generation, fitted on the re-dumped
 #   8-bit points (per-token scales at 4 and 8 pages, per-head scales at 8 pages), v5e's score
 #   figure taken from v6e's (its 2 int8 points cannot separate it from the widening);
-# - the grid step's own code outside the compute paths (the page DMA issue and wait loops with
-#   their partial-page chunk branches, the stale-value zeroing of one page slot, the q block's
-#   init and write-back) goes through the shared step terms (step_vregs): the vregs it moves plus
+# - an item's own code outside the compute paths (the page DMA issue and wait loops with
+#   their partial-page chunk branches, the stale-value zeroing of one page slot; the points were
+#   dumped when each item was a grid step, which also initialised and wrote out one row chunk
+#   of the q block, now done once per q block: still charged per item) goes through the shared step terms (step_vregs): the vregs it moves plus
 #   PAGED_STEP_STREAM_VREGS per cache array DMA'd (one head-major, K and V token-major), the mean
 #   of what each generation's calibration steps imply (the shared step_fixed_bundles and
 #   step_vreg_bundles alone under-count the paged step by 35-55%); per-token scale pages add
@@ -570,8 +594,8 @@ def step_vregs(
     token_major: bool = False,
     token_scales: bool = False,
 ) -> float:
-    """Vregs one grid step's own code moves outside its compute path (KernelCost.step_vregs per
-    step): the stale-value zeroing of one page slot (loaded and stored), the q block's statistics
+    """Vregs one work item's own code moves outside its compute path (KernelCost.step_vregs per
+    item): the stale-value zeroing of one page slot (loaded and stored), the q block's statistics
     and accumulator init and write-back over one row chunk, and PAGED_STEP_STREAM_VREGS per DMA
     stream (its page loop's issue and wait, the partial-page chunks' branches)."""
     dp = _round_up(head_dim, 128)
@@ -683,14 +707,15 @@ def decode_cost(
     """What the tile ranking charges a (block_q, pages_per_block) candidate when only static
     shapes are known (the lengths are traced): `num_tokens` decoding sequences, each at the full
     `pages_per_seq` context, the batch whose step count is largest. Each sequence is one (q
-    block, sequence) pair of ceil(pages / pages_per_block) items (grid steps), every page read
-    once, q read and o written once, the work list in SMEM, and per item the unit counts of the
+    block, sequence) pair of ceil(pages / pages_per_block) items, run by one grid step per q
+    block (each item charged the step's own code, each grid step the fixed overhead), every page
+    read once, q read and o written once, the work list in SMEM, and per item the unit counts of the
     path a decode item takes (`_busy_step_units`: `item_units` on `narrow_rows` rows, which are
     the whole q block when no narrow path is compiled, in the compact form (pairs or quads) where that is
     compiled) over its KV block, and the step's own code (`step_vregs`). Larger KV blocks
-    amortise the per-item and per-step fixed bundles; block_q changes none of this and is left
-    to the tie-break (larger q blocks re-read a prefill's KV fewer times, which this batch does
-    not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
+    amortise the per-item fixed bundles; block_q changes only the grid steps (one per q block)
+    and is otherwise left to the tie-break (larger q blocks re-read a prefill's KV fewer times,
+    which this batch does not show). `token_scales` (None: for 8-bit caches) adds the scale pages."""
     if token_scales is None:
         token_scales = _itemsize(kv_dtype) == 1
     ppb = max(1, min(pages_per_block, pages_per_seq))
@@ -722,7 +747,8 @@ def decode_cost(
         mxu_flops=int(max(issued, useful)),
         hbm_bytes=int(kv_bytes + qo_bytes + table_bytes),
         min_hbm_bytes=int(kv_bytes + qo_bytes),
-        grid_steps=int(steps),
+        grid_steps=-(-num_tokens // block_q),
+        work_items=int(steps),
         compute_tiles=int(steps),
         mxu_pushes=int(round(steps * units["mxu_pushes"])),
         eup_pushes=int(round(steps * units["eup_pushes"])),
@@ -767,11 +793,13 @@ def streams_page_table(num_seqs: int, pages_per_seq: int, config: PagedAttention
     return 4 * num_seqs * pages_per_seq > PAGE_TABLE_SMEM_BYTES
 
 
-def smem_bytes(num_seqs: int, pages_per_seq: int, max_items: int, stream: bool) -> int:
-    """SMEM the kernel uses: kv_lens, cu_q_lens, the work list and its length, and the page table
-    (whole, or two rows when streamed)."""
+def smem_bytes(
+    num_seqs: int, pages_per_seq: int, max_items: int, stream: bool, num_q_blocks: int = 1
+) -> int:
+    """SMEM the kernel uses: kv_lens, cu_q_lens, the work list and each q block's end in it, and
+    the page table (whole, or two rows when streamed)."""
     table = 2 * pages_per_seq if stream else num_seqs * pages_per_seq
-    return 4 * (num_seqs + num_seqs + 1 + 1 + table) + LAYOUT.nbytes(max_items)
+    return 4 * (num_seqs + num_seqs + 1 + num_q_blocks + table) + LAYOUT.nbytes(max_items)
 
 
 def vmem_budget_bytes(gen: TpuGeneration) -> int:
@@ -932,7 +960,7 @@ def traffic(
         max_num_seqs
         + (max_num_seqs + 1)
         + 4 * max_items
-        + 1
+        + nqb
         + (1 if stream else max_num_seqs * pages_per_seq)
     )
     pt_dmas = len(items) if stream else 0  # one row per work item, empty items included
@@ -981,6 +1009,7 @@ def traffic(
         config=cfg,
         items=items,
         max_items=max_items,
+        q_blocks=nqb,
         kv_dmas=dmas * (2 if separate_kv else 1),
         kv_dma_bytes=kv_rows * row_bytes,
         qo_block_bytes=2 * nqb * qo_block,
@@ -1053,7 +1082,7 @@ def estimate_cost(
     copies + scalar-prefetched tables (+ the new tokens' K/V rows read and written, with
     write_new_kv). min_hbm_bytes = the KV tokens some query can see, each read
     once, + q read and o written once + one page-table entry per valid page. grid_steps = the
-    static work-list length (steps past the real list only test a condition). mxu_flops counts
+    q blocks (one grid step each), work_items = the items their steps loop over. mxu_flops counts
     the rows and columns issued (narrow decode path or the whole q block, times every page slot of
     the KV buffer)."""
     if tiles is not None:
@@ -1076,7 +1105,8 @@ def estimate_cost(
             + t["head_scale_bytes"]
         ),
         min_hbm_bytes=int(t["min_hbm_bytes"]),
-        grid_steps=int(t["max_items"]),
+        grid_steps=int(t["q_blocks"]),
+        work_items=len(t["items"]),
         vmem_bytes=int(t["vmem_bytes"]),
         **t["units"],
     )
