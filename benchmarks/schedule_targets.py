@@ -125,11 +125,12 @@ def describe() -> str:
     return "\n".join(lines)
 
 
-def compile_tgmm_tiles(generation: str, shape: str, tiles):
+def compile_tgmm_tiles(generation: str, shape: str, tiles=None):
     """Our tgmm (weight gradient: lhs [M, K], dout [M, N] -> [G, K, N]) at the named ragged
-    benchmark shape's M / K / N / groups with explicit tiles (tm, tk, tn): the tgmm points of the
-    tile-ranking calibration (tile_model_calibration.json "tgmm_points") were dumped with it
-    (op-name filter ragged_dot_tgmm)."""
+    benchmark shape's M / K / N / groups with explicit tiles (tm, tk, tn), or the generation's
+    default tiles when None: the tgmm points of the tile-ranking calibration
+    (tile_model_calibration.json "tgmm_points") were dumped with it (op-name filter
+    ragged_dot_tgmm)."""
     import jax
     import jax.numpy as jnp
 
@@ -138,13 +139,35 @@ def compile_tgmm_tiles(generation: str, shape: str, tiles):
 
     s = _shape("ragged_dot", shape)
     mod = ours.ADAPTERS["ragged_dot"].mod
-    t = mod.tiling.TgmmTiling(*tiles)
+    t = mod.tiling.TgmmTiling(*tiles) if tiles else None
     dt = jnp.dtype(s.dtype)
 
     def fn(lhs, dout, gs):
         return mod.kernel.tgmm(lhs, dout, gs, out_dtype=dt, tiling=t, generation=generation)
 
     avals = [((s.m, s.k), dt), ((s.m, s.n), dt), ((s.experts,), jnp.int32)]
+    with jax.default_device(tpu_compile.tpu_device(generation)):
+        return tpu_compile.lower_for(generation, fn, *avals).compile()
+
+
+def compile_dlhs(generation: str, shape: str):
+    """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
+    with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's
+    default tiles (op-name filter ragged_dot_gmm)."""
+    import jax
+    import jax.numpy as jnp
+
+    import ours
+    import tpu_compile
+
+    s = _shape("ragged_dot", shape)
+    mod = ours.ADAPTERS["ragged_dot"].mod
+    dt = jnp.dtype(s.dtype)
+
+    def fn(dout, w, gs):
+        return mod.kernel.gmm(dout, w, gs, transpose_rhs=True, generation=generation)
+
+    avals = [((s.m, s.n), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
     with jax.default_device(tpu_compile.tpu_device(generation)):
         return tpu_compile.lower_for(generation, fn, *avals).compile()
 

@@ -608,10 +608,13 @@ def test_gmm_trip_counts_equal_the_windows_the_interpreter_runs(tokens, experts,
     import tpu_interpreter
 
     rd = ours.load("ragged_dot")
-    s = shapes.RaggedDotShape("trips", tokens, experts, top_k, 384, 256)
+    s = shapes.RaggedDotShape("trips", tokens, experts, top_k, 640, 256)
     t = rd.tiling.gmm_tiling(s.m, s.k, s.n, s.dtype, s.dtype, s.dtype, generation="v6e")
     cn = rd.kernel._n_chunk(t.tk, t.tn)
-    assert t.tk > t.tm or t.tk != 256  # the weight block's shape is no window's shape
+    # The weight chunk's shape (tk, cn) is no window's accumulator shape (rows, cn): tk is neither
+    # a tail bucket nor the full window's rows.
+    unit = rd.tiling.row_unit(s.dtype)
+    assert t.tk not in rd.tiling.bucket_sizes(t.tm, unit) + (rd.tiling.row_chunk(t.tm),)
     trips = ours.ADAPTERS["ragged_dot"].schedule_trips(s, "v6e")
 
     lhs = jnp.ones((s.m, s.k), jnp.bfloat16)

@@ -19,9 +19,11 @@ the pushes, pops and accumulation of the whole block; a rolled loop over small c
 serialise them). An item's rows run as full windows of `chunk` rows (a loop whose body is one such
 block matmul) plus one tail window from a small set of bucket sizes (a 20-row group tail runs a
 32-row matmul, not a whole tile). The f32 accumulator (tm, tn) stays in VMEM across the K blocks
-and is read and written once per window and K block; each window's rows are merged into it with a
+and is read and written once per window and K block; a window's rows are merged into it with a
 row select, so rows of other groups in the same tile stay bit-exactly untouched (a NaN weight of
-one expert never reaches another expert's rows). The first item of a tile zeroes the accumulator;
+one expert never reaches another expert's rows). Only the first row unit of a full window can
+hold another group's rows, so full windows select there alone, and with a single K block they
+store their other rows' products without reading the accumulator back. The first item of a tile zeroes the accumulator;
 the last writes the tile out. Rows past sum(group_sizes) belong to a virtual group whose items do
 no MXU work and leave zeros. Items without MXU work (virtual rows, padding) point their lhs/rhs
 index maps at the block the previous step left resident, so they issue no DMA. int8 / fp8 weights
@@ -120,7 +122,9 @@ def gated_activation(gate, up, activation: str):
 def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
     """Run `window` over a computing item's rows: NFULL full windows of `rc` rows in a loop (the
     body one block-sized matmul), then the tail in the smallest bucket that covers it. Each row is
-    merged by exactly one window."""
+    merged by exactly one window. `window(s, rows, first_row, full=False)` merges rows
+    [max(s, first_row), min(s + rows, HI)); `full=True` promises that only rows [s, s + unit) can
+    lie outside them."""
     start = _field(wl_ref, "START", j, L)
     nfull = _field(wl_ref, "NFULL", j, L)
     tstart = _field(wl_ref, "TSTART", j, L)
@@ -130,7 +134,9 @@ def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
     @pl.when(compute & (nfull > 0))
     def _full_chunks():
         def body(i, carry):
-            window(start + i * rc, rc, lo)
+            # START is LO rounded down to the row unit and NFULL full windows end at or before HI:
+            # only a full window's first `unit` rows can lie outside the item's rows.
+            window(start + i * rc, rc, lo, full=True)
             return carry
 
         jax.lax.fori_loop(0, nfull, body, 0)
@@ -254,15 +260,28 @@ def _gmm_kernel(
     wcols = acc_refs[0].shape[1]
     cn = _tiling.window_cols(tk, wcols)
 
-    def window(s, rows, first_row):
+    def window(s, rows, first_row, full=False):
         """Multiply lhs rows [s, s + rows) by the whole weight block(s) and merge the rows in
-        [first_row, HI) into the accumulator(s)."""
+        [first_row, HI) into the accumulator(s). A full window selects only its first `unit` rows
+        (the rest are the item's own), and with one K block it stores the product without reading
+        the accumulator back: its own rows are written by this window alone."""
         s = pl.multiple_of(s, unit)
-        row_ok = _row_mask(s, rows, first_row, hi)
+        row_ok = _row_mask(s, unit if full else rows, first_row, hi)
         x = lhs_ref[pl.ds(s, rows), :]
         if k_tail:
             col = kb * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
             x = jnp.where(col < k_size, x, jnp.zeros_like(x))
+
+        def finished(p, new, cols):
+            """Scale and bias, applied once to the finished sum of the item's group (last K)."""
+            if not (quantised or has_bias):
+                return new
+            fin = new
+            if quantised:
+                fin = fin * scale_refs[p][:, cols].astype(jnp.float32)
+            if has_bias:
+                fin = fin + bias_refs[p][:, cols].astype(jnp.float32)
+            return fin if kt == 1 else jnp.where(is_last_k, fin, new)
 
         def columns(n0):
             cols = pl.ds(n0, cn)
@@ -270,19 +289,21 @@ def _gmm_kernel(
                 w = w_refs[p][cols, :] if transpose_rhs else w_refs[p][:, cols]
                 d = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
                 acc_ref = acc_refs[p]
-                cur = acc_ref[pl.ds(s, rows), cols]
-                new = cur + d
-                if quantised or has_bias:
-                    # Applied once to the finished sum of the item's group, after the last K block.
-                    fin = new
-                    if quantised:
-                        fin = fin * scale_refs[p][:, cols].astype(jnp.float32)
-                    if has_bias:
-                        fin = fin + bias_refs[p][:, cols].astype(jnp.float32)
-                    new = jnp.where(is_last_k, fin, new)
-                # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d is
-                # NaN.
-                acc_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, new, cur)
+                if not full:
+                    cur = acc_ref[pl.ds(s, rows), cols]
+                    # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d
+                    # is NaN.
+                    new = jnp.where(row_ok, finished(p, cur + d, cols), cur)
+                    acc_ref[pl.ds(s, rows), cols] = new
+                    continue
+                # The whole window is merged without a select (each product row flows from the MXU
+                # pop to its store), then its first `unit` rows are put back where they belong to
+                # another group: slicing the product instead would hold all of it in registers.
+                head = pl.ds(s, unit)
+                before = acc_ref[head, cols]
+                whole = d if kt == 1 else acc_ref[pl.ds(s, rows), cols] + d
+                acc_ref[pl.ds(s, rows), cols] = finished(p, whole, cols)
+                acc_ref[head, cols] = jnp.where(row_ok, acc_ref[head, cols], before)
 
         _over_chunks(wcols, cn, columns)
 
@@ -626,7 +647,8 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
     def _zero():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def window(s, rows, first_row):
+    def window(s, rows, first_row, full=False):
+        del full  # every row is masked: the operands' select is cheap beside the row contraction
         s = pl.multiple_of(s, unit)
         row_ok = _row_mask(s, rows, first_row, hi)
         # Rows of other groups are zeroed in both operands: the matmul contracts over rows.

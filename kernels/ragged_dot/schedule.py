@@ -50,22 +50,30 @@ def row_unit(*dtypes) -> int:
 
 def row_chunk(tm: int) -> int:
     """Rows of one full matmul chunk: an item's rows run as full chunks in a loop plus one tail
-    window, so the kernel holds matmul code for at most `chunk` rows whatever the row tile."""
-    return min(tm, 256)
+    window, so the kernel holds matmul code for at most `chunk` rows whatever the row tile.
+
+    512 rows, not 256: a window pays about 230 bundles beyond its MXU pops and pushes (filling
+    and draining the MXU pipeline, the loop), which 512 rows halve per row. By the compiled
+    schedule (libtpu 0.0.42) a 512-row window takes 4-18% fewer bundles than two 256-row ones:
+    Qwen3-30B-A3B down 3,269 against 2 x 1,769 on v6e, 1,857 against 2 x 1,135 on TPU7x."""
+    return min(tm, 512)
 
 
 def bucket_sizes(tm: int, unit: int) -> tuple[int, ...]:
     """Row counts a tail window may run on: powers of two from `unit`, plus every multiple of
-    chunk/8, up to the chunk. A 20-row group tail runs a 32-row matmul, not a whole tile; the
-    finer steps at larger sizes keep a tail's padding under chunk/8 rows."""
+    min(chunk, 256)/8 up to 256 rows and every multiple of chunk/8 up to the chunk. A 20-row
+    group tail runs a 32-row matmul, not a whole tile; the finer steps keep a tail's padding
+    under 32 rows up to 256 rows (where most groups of a 4096-token batch end) and under chunk/8
+    rows beyond."""
     rc = row_chunk(tm)
     sizes = set()
     b = unit
     while b < rc:
         sizes.add(b)
         b *= 2
-    step = max(unit, (rc // 8) // unit * unit)
-    sizes.update(range(step, rc + 1, step))
+    for top in (min(rc, 256), rc):
+        step = max(unit, (top // 8) // unit * unit)
+        sizes.update(range(step, top + 1, step))
     sizes.add(rc)
     return tuple(sorted(s for s in sizes if s <= rc and s % unit == 0))
 
