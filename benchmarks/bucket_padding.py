@@ -205,7 +205,7 @@ def gmm_side(op, m, group_sizes, generation) -> Side:
     # Trip counts from the kernel's own work list, as the benchmark rows count them.
     import ours
 
-    trips = ours.gmm_trips(RD, group_sizes, m, st["k"], st["n"], DTYPE, t)
+    trips = ours.gmm_trips(RD, group_sizes, m, st["k"], st["n"], DTYPE, t, generation)
     key = (t.tm, t.tk, t.tn)
     return Side(op, key, {"m": m, "tiles": list(key)}, m, cost, trips)
 

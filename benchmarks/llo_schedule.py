@@ -452,6 +452,21 @@ def parse_dump(dump_dir, name: str | None = None, generation: str | None = None)
     return out
 
 
+def program_overlays(dump_dir) -> list[int]:
+    """Bundles of each instruction-memory overlay of the top-level program (XLA's ops and every
+    Mosaic kernel of the compile), from libtpu's `*-TLP-*-overlay-graph.txt`; [] when the dump
+    has none. A kernel larger than the largest overlay is cut into several, and a grid loop that
+    spans them reloads each from HBM at every step: a stall this schedule does not show (our
+    gmm's 140k-bundle program on a TPU v5e chip ran 3-7x its schedule in 8 overlays;
+    benchmarks/results/device/)."""
+    sizes = {}
+    for p in Path(dump_dir).glob("*-TLP-*-overlay-graph.txt"):
+        for node, kind, size in re.findall(r'"#(\d+):(\w+) def:\S+ size:(\d+)', p.read_text()):
+            if kind == "tlp":
+                sizes[node] = int(size)
+    return [sizes[k] for k in sorted(sizes, key=int)]
+
+
 # -------------------------------------------------------------------------------------------------
 # Running a compile with the dump switched on (one subprocess per compile)
 # -------------------------------------------------------------------------------------------------
@@ -583,6 +598,8 @@ def main(argv=None):
         scheds = dump_schedule(target, a.generation, args, name or a.name, a.dump_dir)
     for s in scheds:
         print(json.dumps(s.summary(), indent=1) if a.json else format_summary(s))
+    if a.dump_dir and not a.json:
+        print(f"top-level program overlays (bundles): {program_overlays(a.dump_dir) or 'none'}")
     return 0
 
 

@@ -21,11 +21,51 @@ ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["ADAPTERS", "load"]
 
 
+_JAX_ONLY: list[Path] = []  # set by use_jax_only_packages(): the folder the packages go in
+
+
+def use_jax_only_packages(folder: Path) -> None:
+    """Load the kernels without torch from now on (a TPU VM with JAX and no torch: the device
+    run of benchmarks/device_timing.py). Must come before the first `load`."""
+    if load.cache_info().currsize:
+        raise RuntimeError("use_jax_only_packages() after a kernel was already loaded")
+    _JAX_ONLY[:] = [Path(folder)]
+
+
 @functools.cache
 def load(key: str):
+    if _JAX_ONLY:
+        return _jax_only_package(key, _JAX_ONLY[0])
     import kernel_loader
 
     return kernel_loader.load_kernel(key)
+
+
+def _jax_only_package(key: str, folder: Path):
+    """kernels/<key> with the vendored torch-ext files (the same file set scripts/build.py
+    packages), written to `folder` under an `__init__` that imports only the JAX modules: the
+    Pallas kernels, their tiling and the f32 references; the torch op wrappers are left out."""
+    import importlib.util
+    import sys
+
+    import build
+    import collection
+
+    entry = collection.load_collection().kernel(key)
+    name = f"ptk_jax_{key}"
+    pkg = Path(folder) / name
+    pkg.mkdir(parents=True, exist_ok=True)
+    for rel, data in build.package_sources(entry).items():
+        if rel != "__init__.py":
+            (pkg / rel).write_bytes(data)
+    (pkg / "__init__.py").write_text("from . import kernel, reference, tiling\n")
+    spec = importlib.util.spec_from_file_location(
+        name, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the package's relative imports find it here
+    spec.loader.exec_module(module)
+    return module
 
 
 def _random(key_int, shape, dtype):
@@ -133,12 +173,15 @@ class RaggedDot(Adapter):
         region's few bundles around that loop are then counted `chunks` times: a slight
         overcount)."""
         t = self.tiles(shape, generation)
-        return gmm_trips(self.mod, shape.group_sizes, shape.m, shape.k, shape.n, shape.dtype, t)
+        return gmm_trips(
+            self.mod, shape.group_sizes, shape.m, shape.k, shape.n, shape.dtype, t, generation
+        )
 
 
-def gmm_trips(mod, group_sizes, m, k, n, dtype, t) -> dict:
+def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None) -> dict:
     """`RaggedDot.schedule_trips` for any gmm call: the ragged_dot package `mod`, the call's
-    group sizes, problem size and dtype, and its tiling `t`."""
+    group sizes, problem size and dtype, its tiling `t` and the generation it compiles for (the
+    window columns depend on it)."""
     T, K = mod.tiling, mod.kernel
     unit = T.row_unit(dtype)
     wl = T._fields(
@@ -153,7 +196,7 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t) -> dict:
     )
     compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
     tiles = -(-n // t.tn) * -(-k // t.tk)
-    chunks = t.tn // K._n_chunk(t.tk, t.tn)
+    chunks = t.tn // K._n_chunk(t.tk, t.tn, T.get_generation(generation), t.tm, unit)
     return {
         "hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
         "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles * chunks),

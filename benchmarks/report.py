@@ -185,6 +185,74 @@ def sharded_markdown(section: dict | None) -> list[str]:
     return out
 
 
+def measured_markdown(results: dict) -> list[str]:
+    """The named rows timed on a TPU chip (benchmarks/device_timing.py, merged into results.json):
+    measured beside scheduled on that chip's generation, and each of our rows against the fastest
+    anchor measured on the same shape."""
+    runs = results.get("meta", {}).get("device_timing") or []
+    rows = [
+        (r, g, pg)
+        for r in results.get("named", {}).get("rows", [])
+        for g, pg in sorted(r["per_generation"].items())
+        if "measured_us" in pg
+    ]
+    if not runs or not rows:
+        return []
+    chips = sorted(
+        {f"{x['device_kind']} ({x['generation']}), jax {x['jax']}, {x['date']}" for x in runs}
+    )
+    out = [
+        "## Measured on a TPU chip",
+        "",
+        f"Wall-clock times on {'; '.join(chips)} (`benchmarks/device_timing.py time`, merged with "
+        "`device_timing.py merge`): " + runs[0]["method"].strip().replace("\n", " "),
+        "",
+        "| kernel | shape | implementation | chip | measured (us) | scheduled (us) "
+        "| measured / scheduled | ours / fastest anchor measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    best = {}
+    for r, g, pg in rows:
+        if r["impl"] != "ours":
+            key = (r["kernel"], r["shape"], g)
+            best[key] = min(best.get(key, float("inf")), pg["measured_us"])
+    for r, g, pg in rows:
+        sched = (pg.get("scheduled") or {}).get("scheduled_us")
+        ratio = f"{pg['measured_us'] / sched:.2f}" if sched else "n/a"
+        vs = ""
+        anchor = best.get((r["kernel"], r["shape"], g))
+        if r["impl"] == "ours" and anchor:
+            vs = f"{pg['measured_us'] / anchor:.2f}x"
+        out.append(
+            f"| {r['kernel']} | {r['shape']} | {r['label']} | {g} | {_sig(pg['measured_us'])} "
+            f"| {_sig(sched) if sched else 'n/a'} | {ratio} | {vs} |"
+        )
+    lost = [
+        f"- {r['kernel']} {r['shape']} on {g}: {_sig(pg['measured_us'])} us against "
+        f"{_sig(best[(r['kernel'], r['shape'], g)])} (ours "
+        f"{pg['measured_us'] / best[(r['kernel'], r['shape'], g)]:.2f}x)"
+        for r, g, pg in rows
+        if r["impl"] == "ours"
+        and (r["kernel"], r["shape"], g) in best
+        and pg["measured_us"] > best[(r["kernel"], r["shape"], g)]
+    ]
+    if lost:
+        out += ["", "**Where ours loses (measured), against the fastest anchor:**", ""] + lost
+    out += [
+        "",
+        "Measured / scheduled, by implementation (the schedule model's error on the chip):",
+        "",
+    ]
+    spread = {}
+    for r, g, pg in rows:
+        sched = (pg.get("scheduled") or {}).get("scheduled_us")
+        if sched:
+            spread.setdefault((r["kernel"], r["label"], g), []).append(pg["measured_us"] / sched)
+    for (kind, label, g), v in spread.items():
+        out.append(f"- {kind}, {label}, {g}: {min(v):.2f}-{max(v):.2f} over {len(v)} shapes")
+    return out + [""]
+
+
 def markdown(results: dict) -> str:
     # What results.json holds (written with sorted keys): the same Markdown whether a writer
     # passes its in-memory results or the file is read back.
@@ -219,6 +287,7 @@ def markdown(results: dict) -> str:
         "prediction.",
         "",
     ]
+    out += measured_markdown(results)
     lost = losses(results)
     if lost:
         out += ["**Where ours loses (scheduled time):**", ""] + [f"- {x}" for x in lost] + [""]

@@ -59,7 +59,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DATA = ROOT.parent / "shared" / "reference" / "data"
+DATA = Path(os.environ.get("PTK_REFERENCE_DATA", ROOT.parent / "shared" / "reference" / "data"))
 TOKAMAX_DIR = Path(os.environ.get("TOKAMAX_DIR", ROOT / ".tokamax"))
 RESULTS = HERE / "results"
 CACHE = RESULTS / "validation.json"

@@ -274,7 +274,10 @@ def performance_section(key: str, results: dict | None, source_url: str = "") ->
     versions = ", ".join(f"{k} {v}" for k, v in sorted(meta.items()))
     legend = []
     if "measured" in kinds:
-        legend.append('"measured": timed on a TPU (`python benchmarks/run.py --device tpu`).')
+        legend.append(
+            '"measured": timed on a TPU chip (`python benchmarks/device_timing.py time`, merged '
+            'into results.json; benchmarks/README.md, "On a TPU VM").'
+        )
     if "scheduled" in kinds:
         legend.append(
             "A plain number is the compiled schedule, not a run: the kernel's VLIW "

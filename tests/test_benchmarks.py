@@ -190,6 +190,70 @@ def test_device_timing_path_runs(small_section):
         )
 
 
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(400)
+def test_device_run_needs_no_torch_and_checks_the_kernels(tmp_path):
+    """The TPU VM run (`device_timing.py check`) loads the kernels as plain JAX packages, with
+    torch and the `kernels` library unimportable, and its compiled-kernel checks pass against the
+    f32 references; here in TPU interpret mode on the CPU, the ragged dot only (the chip runs
+    all three)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['kernels'] = None\n"
+        "import device_timing\n"
+        f"device_timing.main(['check', '--kernel', 'ragged_dot', '--generation', 'v5e', "
+        f"'--interpret', '--out', {str(out)!r}])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    names = {c["shape"] for c in cases}
+    assert {"tgmm", "gmm_int8_weights", "gmm_rows_past_groups"} <= names
+    assert all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
+
+
+def test_measured_times_sit_beside_the_schedule(tmp_path):
+    """`device_timing.apply_measured` puts a chip's times on the named rows they time (and no
+    other), and results.md's measured section shows measured / scheduled for each."""
+    import copy
+
+    import device_timing
+    import report
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())
+    results = copy.deepcopy(results)
+    row = next(r for r in results["named"]["rows"] if r["impl"] == "ours")
+    for r in results["named"]["rows"]:
+        for pg in r["per_generation"].values():
+            pg.pop("measured_us", None)
+    sched = row["per_generation"]["v5e"]["scheduled"]["scheduled_us"]
+    doc = {
+        "meta": {"device_kind": "TPU v5 lite", "generation": "v5e", "jax": "0", "date": "d"},
+        "method": "m",
+        "rows": [
+            {"kernel": row["kernel"], "shape": row["shape"], "impl": "ours", "generation": "v5e",
+             "measured_us": 2 * sched},
+            {"kernel": row["kernel"], "shape": "no_such_shape", "impl": "ours",
+             "generation": "v5e", "measured_us": 1.0},
+        ],
+    }  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    device_timing.apply_measured(results, [tmp_path / "run.json"])
+    measured = [
+        (r["shape"], g)
+        for r in results["named"]["rows"]
+        for g, pg in r["per_generation"].items()
+        if "measured_us" in pg
+    ]
+    assert measured == [(row["shape"], "v5e")]
+    md = report.markdown(results)
+    line = next(x for x in md.splitlines() if x.startswith(f"| {row['kernel']} | {row['shape']} |"))
+    assert "| 2.00 |" in line
+
+
 # -------------------------------------------------------------------------------------------------
 # tokamax's gmm as a ragged-dot anchor (named rows only: its op refuses dimensions under 128)
 # -------------------------------------------------------------------------------------------------

@@ -495,6 +495,39 @@ def test_per_tile_runs_count_output_tiles_from_the_grid_and_work_list():
     assert schedule_rows.per_tile_runs("flash_attention", "ours", shape, "v6e", {}, cost) == {}
 
 
+def test_program_overlays_reads_the_top_level_programs_overlay_graph(tmp_path):
+    """The overlay graph libtpu dumps for the top-level program: one node per overlay with its
+    size in bundles (prelude nodes left out); this is the graph the v5e gmm ran in 8 pieces."""
+    (tmp_path / "1-TLP-82-overlay-graph.txt").write_text(
+        "digraph {\n"
+        '  "#0:prelude def:#1 size:256" -> "#1:tlp def:#2 size:7008"\n'
+        '  "#1:tlp def:#2 size:7008" -> "#2:tlp def:#3 size:21256"\n'
+        '  "#2:tlp def:#3 size:21256" -> "#3:tlp def:#2 size:16176"\n'
+        '  "#3:tlp def:#2 size:16176" -> "#4:tlp def:#1 size:120 <exit>"\n'
+        "}\n"
+    )
+    assert L.program_overlays(tmp_path) == [7008, 21256, 16176, 120]
+    (tmp_path / "empty").mkdir()
+    assert L.program_overlays(tmp_path / "empty") == []
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(600)
+def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path):
+    """Our gmm at Qwen3-30B-A3B gate_up, 64 tokens, on v5e (the generation with the fewest MACs
+    per bundle, so the most bundles per window) compiles to a program that one overlay holds:
+    before tiling.PROGRAM_MXU_BUNDLES it was 140k bundles in 8 overlays of at most 21k, which
+    a TPU v5e chip ran at 5-7x its schedule (benchmarks/results/device/)."""
+    import schedule_targets
+
+    target, args, name = schedule_targets.resolve("ours:ragged_dot", "qwen3_30b_a3b_gate_up_t64")
+    scheds = [x for x in L.dump_schedule(target, "v5e", args, name, str(tmp_path)) if x.is_mosaic]
+    overlays = L.program_overlays(tmp_path)
+    assert overlays, "libtpu wrote no overlay graph"
+    kernel = max(len(x.bundles) for x in scheds)
+    assert kernel <= max(overlays), (kernel, overlays)
+
+
 # ---- real schedules from libtpu ------------------------------------------------------------------
 
 
@@ -610,10 +643,11 @@ def test_gmm_trip_counts_equal_the_windows_the_interpreter_runs(tokens, experts,
     rd = ours.load("ragged_dot")
     s = shapes.RaggedDotShape("trips", tokens, experts, top_k, 640, 256)
     t = rd.tiling.gmm_tiling(s.m, s.k, s.n, s.dtype, s.dtype, s.dtype, generation="v6e")
-    cn = rd.kernel._n_chunk(t.tk, t.tn)
+    unit = rd.tiling.row_unit(s.dtype)
+    gen = rd.tiling.get_generation("v6e")
+    cn = rd.kernel._n_chunk(t.tk, t.tn, gen, t.tm, unit)
     # The weight chunk's shape (tk, cn) is no window's accumulator shape (rows, cn): tk is neither
     # a tail bucket nor the full window's rows.
-    unit = rd.tiling.row_unit(s.dtype)
     assert t.tk not in rd.tiling.bucket_sizes(t.tm, unit) + (rd.tiling.row_chunk(t.tm),)
     trips = ours.ADAPTERS["ragged_dot"].schedule_trips(s, "v6e")
 

@@ -119,6 +119,10 @@ GATED = {
         False,
         True,
     ),
+    # I = 320 is no multiple of 128: the concatenated gate / up halves cannot be blocks of one
+    # array (a TPU block's last dim is a multiple of 128 or the whole dim); they go in as two.
+    # Interpret mode accepts any block, so only a compile (or a chip) catches it.
+    "i320_concatenated_bias": (1024, 384, 320, 6, "silu", "concatenated", False, True),
 }
 
 

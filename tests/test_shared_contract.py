@@ -667,12 +667,19 @@ def test_ragged_window_count_is_the_benchmark_trip_count():
     for k_rows in (128, 768, 2048, 7168):
         for cols in (128, 1536, 2048, 3584, 7168, 14336, 96):
             assert T.window_cols(k_rows, cols) == pkg.kernel._n_chunk(k_rows, cols)
+            for gen in GENERATIONS:
+                args = (k_rows, cols, T.get_generation(gen), 512, 16)
+                assert (
+                    T.window_cols(*args)
+                    == pkg.kernel._n_chunk(*args)
+                    <= T.window_cols(k_rows, cols)
+                )
     gs = np.array([300, 0, 17, 1, 900, 5, 0, 2850], np.int32)
     m, k, n = 4096, 7168, 3584
     for tiles in (T.GmmTiling(128, 7168, 3584), T.GmmTiling(512, 2048, 1792)):
         for gen in GENERATIONS:
             c = T.estimate_cost("gmm", (m, k), (8, k, n), gs, tiles=tiles, generation=gen)
-            trips = ours.gmm_trips(pkg, gs, m, k, n, "bfloat16", tiles)
+            trips = ours.gmm_trips(pkg, gs, m, k, n, "bfloat16", tiles, gen)
             assert c.compute_tiles == trips["hot_iterations"] + trips["side_region_runs"]
             side = _shared("ragged_dot", "tpu_generations").GENERATIONS[gen].mxu_size
             assert c.mxu_pushes * 16 * side * side * 2 >= c.mxu_flops  # pushes cover the FLOPs

@@ -156,8 +156,9 @@ def _run_item(wl_ref, j, L, flags, lo, window, buckets, rc):
 
 
 # Columns per straight-line matmul for a (k_rows, cols) weight block: one definition, in tiling
-# (`window_cols`, with its MAX_DOT_ELEMENTS limit and why), which the ranking's window counts use
-# too. `_n_chunk` stays as the name benchmarks/ours.py and the schedule tests read.
+# (`window_cols`, with its MAX_DOT_ELEMENTS and PROGRAM_MXU_BUNDLES limits and why), which the
+# ranking's window counts use too. `_n_chunk` stays as the name benchmarks/ours.py and the
+# schedule tests read.
 _n_chunk = _tiling.window_cols
 
 
@@ -172,6 +173,20 @@ def _over_chunks(total: int, chunk: int, fn) -> None:
         return carry
 
     jax.lax.fori_loop(0, total // chunk, body, 0)
+
+
+def _window_params(tm, tk, cols, buckets, unit, generation, n_rhs=1) -> dict:
+    """The row-window parameters gmm and tgmm share: the K rows of a block, the tail buckets and
+    row unit, the full window's rows and the columns per window matmul (tiling.window_cols: at
+    most the program budget over every window copy)."""
+    gen = _tiling.get_generation(generation)
+    return dict(
+        tk=tk,
+        buckets=buckets,
+        unit=unit,
+        rc=_schedule.row_chunk(tm),
+        cn=_tiling.window_cols(tk, cols, gen, tm, unit, n_rhs),
+    )
 
 
 def _compiler_params(semantics, vmem_limit, lp_scheduler, generation):
@@ -209,6 +224,7 @@ def _gmm_kernel(
     buckets,
     unit,
     rc,
+    cn,
     transpose_rhs,
     quantised,
     has_bias,
@@ -258,7 +274,6 @@ def _gmm_kernel(
 
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     wcols = acc_refs[0].shape[1]
-    cn = _tiling.window_cols(tk, wcols)
 
     def window(s, rows, first_row, full=False):
         """Multiply lhs rows [s, s + rows) by the whole weight block(s) and merge the rows in
@@ -405,6 +420,17 @@ def _gmm_call(
     else:
         wcols, col_blocks = 2 * tn, [lambda nb: nb]
     n_rhs = len(col_blocks)
+    # Per weight ref: the array it reads and how a per-group row vector (scales, bias) is cut.
+    halves = [lambda a, axis: a] * n_rhs
+    if gated and layout == "concatenated" and tn % 128:
+        # I is no multiple of 128, so an (.., I) block of the [.., 2I] array is no legal TPU block
+        # (last dim a multiple of 128 or the whole dim): the gate and up halves go in as arrays
+        # of their own (one XLA copy of the weights), each block then their whole width.
+        col_blocks = [lambda nb: nb, lambda nb: nb]
+        halves = [
+            lambda a, axis: jax.lax.slice_in_dim(a, 0, n, axis=axis),
+            lambda a, axis: jax.lax.slice_in_dim(a, n, 2 * n, axis=axis),
+        ]
 
     def k_of(j, kb, wl_ref):
         # Items without MXU work stay on the last K block: the block the previous step left.
@@ -434,14 +460,16 @@ def _gmm_call(
         )
 
     in_specs = [pl.BlockSpec((tm, tk), lhs_map)] + [rhs_spec(c) for c in col_blocks]
-    args = [lhs] + [rhs] * n_rhs
+    args = [lhs] + [half(rhs, 1 if transpose_rhs else 2) for half in halves]
     if quantised:
         in_specs += [row_vector_spec(c) for c in col_blocks]
-        args += [scales.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)] * n_rhs
+        sc = scales.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)
+        args += [half(sc, 2) for half in halves]
     has_bias = bias is not None
     if has_bias:
         in_specs += [row_vector_spec(c) for c in col_blocks]
-        args += [bias.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)] * n_rhs
+        bi = bias.astype(jnp.float32).reshape(num_groups, 1, n_rhs_cols)
+        args += [half(bi, 2) for half in halves]
     out_spec = pl.BlockSpec((tm, tn), lambda nb, j, kb, wl_ref: (_field(wl_ref, "OUT", j, L), nb))
 
     compute_dtype = lhs.dtype
@@ -478,11 +506,8 @@ def _gmm_call(
         L=L,
         kt=kt,
         k_size=k,
-        tk=tk,
         tn=tn,
-        buckets=buckets,
-        unit=unit,
-        rc=_schedule.row_chunk(tm),
+        **_window_params(tm, tk, wcols, buckets, unit, generation, n_rhs),
         transpose_rhs=transpose_rhs,
         quantised=quantised,
         has_bias=has_bias,
@@ -637,7 +662,7 @@ def gmm_gated(
 # -------------------------------------------------------------------------------------------------
 
 
-def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buckets, unit, rc):
+def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buckets, unit, rc, cn):
     j = pl.program_id(2)
     flags = _field(wl_ref, "FLAGS", j, L)
     lo = _field(wl_ref, "LO", j, L)
@@ -654,7 +679,6 @@ def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, acc_ref, *, L, tk, tn, buck
         # Rows of other groups are zeroed in both operands: the matmul contracts over rows.
         x = lhs_ref[pl.ds(s, rows), :]
         x = jnp.where(row_ok, x, jnp.zeros_like(x))
-        cn = _tiling.window_cols(tk, tn)
 
         def columns(n0):
             y = dout_ref[pl.ds(s, rows), pl.ds(n0, cn)]
@@ -712,7 +736,7 @@ def tgmm(
     cost = _tiling.call_cost("tgmm", m, k, n, num_groups, lhs.dtype, dout.dtype, out_dtype, t)
     call = pl.pallas_call(
         functools.partial(
-            _tgmm_kernel, L=L, tk=tk, tn=tn, buckets=buckets, unit=unit, rc=_schedule.row_chunk(tm)
+            _tgmm_kernel, L=L, tn=tn, **_window_params(tm, tk, tn, buckets, unit, generation)
         ),
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -301,16 +301,49 @@ def check_gated_tn(tn: int, n: int, layout: str) -> None:
 # cut along N. kernel.py's windows (gmm and tgmm) chunk by `window_cols`, the one definition.
 MAX_DOT_ELEMENTS = 2048 * 2048
 
+# The whole kernel must fit the core's instruction memory. A program larger than one overlay is
+# cut into several, and a grid loop that spans them reloads every piece from HBM at every grid
+# step: on a TPU v5e chip (benchmarks/device_timing.py, 2026-12-04) the gmm's 140k-bundle
+# program ran in 8 overlays and took 3-7x its compiled schedule (Qwen3-30B-A3B gate_up at 64
+# tokens 7.0 ms for 1.0 ms of weight DMA). The kernel holds one copy of the window matmul per row
+# count it runs (the full window and every tail bucket), so the columns of a window are cut until
+# all those copies together take at most this many MXU bundles (MACs / the generation's MACs per
+# bundle); libtpu 0.0.42 kept 47k-53k-bundle Mosaic programs in one overlay on v5e and v6e.
+PROGRAM_MXU_BUNDLES = 28_000
 
-def window_cols(k_rows: int, cols: int) -> int:
+
+def macs_per_bundle(gen: TpuGeneration) -> float:
+    """bf16 multiply-accumulates the MXUs of one core retire per bundle (cycle) at peak."""
+    return gen.bf16_flops / gen.cores_per_device / 2 / gen.clock_hz
+
+
+def window_code_rows(tm: int, unit: int) -> int:
+    """Rows of all the window matmul copies a kernel of row tile `tm` holds: the full window and
+    one per tail bucket."""
+    return row_chunk(tm) + sum(bucket_sizes(tm, unit))
+
+
+def window_cols(
+    k_rows: int,
+    cols: int,
+    gen: Optional[TpuGeneration] = None,
+    tm: Optional[int] = None,
+    unit: Optional[int] = None,
+    n_rhs: int = 1,
+) -> int:
     """Columns per straight-line window matmul for a (k_rows, cols) weight block: cols itself
     when the block is small enough, else the largest multiple of 128 dividing cols within
-    MAX_DOT_ELEMENTS."""
-    if k_rows * cols <= MAX_DOT_ELEMENTS or cols % 128:
+    MAX_DOT_ELEMENTS and, given the generation, the row tile and row unit, within the program
+    budget (PROGRAM_MXU_BUNDLES over every window copy, `n_rhs` weight blocks each)."""
+    limit = MAX_DOT_ELEMENTS
+    if gen is not None:
+        code_rows = window_code_rows(tm, unit) * n_rhs
+        limit = min(limit, int(PROGRAM_MXU_BUNDLES * macs_per_bundle(gen) / code_rows))
+    if k_rows * cols <= limit or cols % 128:
         return cols
     best = 128
     for c in range(128, cols, 128):
-        if cols % c == 0 and k_rows * c <= MAX_DOT_ELEMENTS:
+        if cols % c == 0 and k_rows * c <= limit:
             best = c
     return best
 
@@ -438,7 +471,7 @@ def gmm_candidate_cost(
         flops = 2 * flops + _epilogue_flops(m, n, tn, gate_layout)
     kt, nt = -(-k // tk), -(-n // tn)
     n_rhs, cols = _weight_blocks(tn, gate_layout)
-    cn = window_cols(tk, cols)
+    cn = window_cols(tk, cols, gen, tm, unit, n_rhs)
     reps = nt * kt * (cols // cn)
     units = _window_totals(
         gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, n_rhs, lhs_dtype
@@ -607,7 +640,7 @@ def tgmm_candidate_cost(
     nbytes, steps = _tgmm_traffic(m, k, n, num_groups, lb, db, ob, tm, tk, tn, items)
     flops = 2 * (m + items * _row_padding(m / items, tm, unit)) * k * n
     kt, nt = -(-k // tk), -(-n // tn)
-    cn = window_cols(tk, tn)
+    cn = window_cols(tk, tn, gen, tm, unit)
     reps = kt * nt * (tn // cn)
     units = _tgmm_window_totals(
         gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, lhs_dtype, dout_dtype
@@ -962,7 +995,7 @@ def estimate_cost(
         # chunk); each output tile's first / last item zeroes / writes back its accumulator.
         gen = get_generation(generation)
         n_rhs, cols = _weight_blocks(tn, gate_layout)
-        cn = window_cols(tk, cols)
+        cn = window_cols(tk, cols, gen, tm, unit, n_rhs)
         reps = nt * kt * (cols // cn)
         window_rows, window_counts = _work_list_windows(wl, compute, tm, buckets)
         units = _window_totals(
@@ -1010,7 +1043,7 @@ def estimate_cost(
         # windows and at most one tail window (its bucket), at each (K tile, N tile, column
         # chunk); each group's first / last item zeroes / writes back the (tk, tn) accumulator.
         gen = get_generation(generation)
-        cn = window_cols(tk, tn)
+        cn = window_cols(tk, tn, gen, tm, unit)
         reps = kt * nt * (tn // cn)
         window_rows, window_counts = _work_list_windows(wl, compute, tm, buckets)
         units = _tgmm_window_totals(
