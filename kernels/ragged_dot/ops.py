@@ -567,7 +567,8 @@ def ragged_dot(
     """`jax.lax.ragged_dot` semantics in torch: lhs [M, K], rhs [G, K, N], group_sizes [G] ->
     [M, N], rows past sum(group_sizes) zero. `preferred_element_type` is the output dtype (default
     lhs dtype); int8 / float8_e4m3fn rhs takes per-channel `scales` [G, N]. `precision` is accepted
-    for signature compatibility (accumulation is always f32); `group_offset` is not supported."""
+    for signature compatibility: accumulation is always f32 and f32 operands always multiply at
+    HIGHEST precision (bf16 ones exactly); `group_offset` is not supported."""
     if group_offset is not None:
         raise ValueError("group_offset: not supported (expected None)")
     if precision is not None and not isinstance(precision, (str, type(None))):
