@@ -511,21 +511,50 @@ def test_program_overlays_reads_the_top_level_programs_overlay_graph(tmp_path):
     assert L.program_overlays(tmp_path / "empty") == []
 
 
+def _largest_window_code_cell(generation: str) -> str:
+    """The named gmm cell whose window copies take the most MXU bundles on `generation`: the
+    one closest to that generation's program budget (tiling.program_mxu_bundles)."""
+    import ours
+    import shapes
+
+    T = ours.ADAPTERS["ragged_dot"].mod.tiling
+    gen = T.get_generation(generation)
+    unit = T.row_unit("bfloat16")
+
+    def code(s):
+        t = T.gmm_tiling(
+            s.tokens * s.top_k, s.k, s.n, "bfloat16", "bfloat16",
+            num_groups=s.experts, generation=generation,
+        )  # fmt: skip
+        cn = T.window_cols(t.tk, t.tn, gen, t.tm, unit)
+        return T.window_code_rows(t.tm, unit) * t.tk * cn / T.macs_per_bundle(gen)
+
+    best = max(shapes.NAMED["ragged_dot"], key=code)
+    assert code(best) <= T.program_mxu_bundles(gen)
+    return best.name
+
+
 @pytest.mark.compile
 @pytest.mark.timeout(600)
-def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path):
-    """Our gmm at Qwen3-30B-A3B gate_up, 64 tokens, on v5e (the generation with the fewest MACs
-    per bundle, so the most bundles per window) compiles to a program that one overlay holds:
-    before tiling.PROGRAM_MXU_BUNDLES it was 140k bundles in 8 overlays of at most 21k, which
-    a TPU v5e chip ran at 5-7x its schedule (benchmarks/results/device/)."""
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
+    """On every generation, our gmm at the named cell with the most window code under that
+    generation's budget (tiling.PROGRAM_MXU_BUNDLES) compiles to a kernel one overlay holds:
+    before the budget the v5e gmm was 140k bundles in 8 overlays of at most 21k, which a TPU
+    v5e chip ran at 3-7x its schedule (benchmarks/results/device/). The XLA ops around the kernel
+    sit in an overlay of their own, and the overlay holding the kernel may leave a few of its
+    first bundles (before the grid loop; 7-12 seen) in the one before: 16 bundles of slack."""
     import schedule_targets
 
-    target, args, name = schedule_targets.resolve("ours:ragged_dot", "qwen3_30b_a3b_gate_up_t64")
-    scheds = [x for x in L.dump_schedule(target, "v5e", args, name, str(tmp_path)) if x.is_mosaic]
+    shape = _largest_window_code_cell(generation)
+    target, args, name = schedule_targets.resolve("ours:ragged_dot", shape)
+    scheds = [
+        x for x in L.dump_schedule(target, generation, args, name, str(tmp_path)) if x.is_mosaic
+    ]
     overlays = L.program_overlays(tmp_path)
     assert overlays, "libtpu wrote no overlay graph"
     kernel = max(len(x.bundles) for x in scheds)
-    assert kernel <= max(overlays), (kernel, overlays)
+    assert kernel <= max(overlays) + 16, (shape, kernel, overlays)
 
 
 # ---- real schedules from libtpu ------------------------------------------------------------------

@@ -301,15 +301,31 @@ def check_gated_tn(tn: int, n: int, layout: str) -> None:
 # cut along N. kernel.py's windows (gmm and tgmm) chunk by `window_cols`, the one definition.
 MAX_DOT_ELEMENTS = 2048 * 2048
 
-# The whole kernel must fit the core's instruction memory. A program larger than one overlay is
+# The whole kernel must fit one instruction-memory overlay. A program larger than an overlay is
 # cut into several, and a grid loop that spans them reloads every piece from HBM at every grid
 # step: on a TPU v5e chip (benchmarks/device_timing.py, 2026-12-04) the gmm's 140k-bundle
 # program ran in 8 overlays and took 3-7x its compiled schedule (Qwen3-30B-A3B gate_up at 64
 # tokens 7.0 ms for 1.0 ms of weight DMA). The kernel holds one copy of the window matmul per row
 # count it runs (the full window and every tail bucket), so the columns of a window are cut until
-# all those copies together take at most this many MXU bundles (MACs / the generation's MACs per
-# bundle); libtpu 0.0.42 kept 47k-53k-bundle Mosaic programs in one overlay on v5e and v6e.
-PROGRAM_MXU_BUNDLES = 28_000
+# all those copies together take at most the generation's budget of MXU bundles (MACs / the
+# generation's MACs per bundle). The budgets come from libtpu 0.0.42's overlay graphs of
+# deviceless compiles (llo_schedule.program_overlays; the XLA ops around the kernel sit in an
+# overlay of their own) at the named gmm cells (benchmarks/shapes.py):
+# - v5e 28k, timed on the chip: Qwen3-30B-A3B gate_up's 31,666-bundle kernel in one overlay.
+# - v6e 41k: Qwen3-30B-A3B gate_up at 4096 tokens with whole 1536-column windows (40k MXU
+#   bundles) is a 47,642-bundle kernel in one overlay; DeepSeek-V3-like down at 47k MXU bundles
+#   a 57,348-bundle one, still in one; Mixtral gate_up at 53k a 68,168-bundle one, cut into 8. The
+#   limit lies between the last two; 41k keeps the largest kernel ~10k bundles under the first.
+# - TPU7x 54k: its kernels take ~0.8 bundles per MXU bundle of window code (more work per
+#   bundle than macs_per_bundle counts); Mixtral gate_up at 53.5k MXU bundles, every named
+#   cell's widest windows, is a 42,310-bundle kernel in one 45,928-bundle overlay.
+# A generation not listed takes the smallest budget.
+PROGRAM_MXU_BUNDLES = {"v5e": 28_000, "v6e": 41_000, "tpu7x": 54_000}
+
+
+def program_mxu_bundles(gen: TpuGeneration) -> int:
+    """The MXU bundles every window copy of one gmm / tgmm kernel may take on `gen` together."""
+    return PROGRAM_MXU_BUNDLES.get(gen.name, min(PROGRAM_MXU_BUNDLES.values()))
 
 
 def macs_per_bundle(gen: TpuGeneration) -> float:
@@ -334,11 +350,11 @@ def window_cols(
     """Columns per straight-line window matmul for a (k_rows, cols) weight block: cols itself
     when the block is small enough, else the largest multiple of 128 dividing cols within
     MAX_DOT_ELEMENTS and, given the generation, the row tile and row unit, within the program
-    budget (PROGRAM_MXU_BUNDLES over every window copy, `n_rhs` weight blocks each)."""
+    budget (program_mxu_bundles over every window copy, `n_rhs` weight blocks each)."""
     limit = MAX_DOT_ELEMENTS
     if gen is not None:
         code_rows = window_code_rows(tm, unit) * n_rhs
-        limit = min(limit, int(PROGRAM_MXU_BUNDLES * macs_per_bundle(gen) / code_rows))
+        limit = min(limit, int(program_mxu_bundles(gen) * macs_per_bundle(gen) / code_rows))
     if k_rows * cols <= limit or cols % 128:
         return cols
     best = 128
