@@ -11,14 +11,12 @@ import csv
 import math
 import re
 import time
-from pathlib import Path
 
 import registry
 import schedule_rows
 import shapes as shapes_mod
+import validate_schedule  # DATA: where tokamax's published TPU timings live (PTK_REFERENCE_DATA)
 from tpu_generations import GENERATIONS, TESTED_GENERATIONS
-
-TOKAMAX = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "data"
 
 # -------------------------------------------------------------------------------------------------
 # Deviceless compile: does it compile, and how much VMEM does the compiled kernel reserve
@@ -83,12 +81,12 @@ def tokamax_ms(kind, shape) -> dict:
     shape: {"pallas": {gen: ms}, "xla": {gen: ms}} (tokamax's Pallas kernel; the XLA op it is
     compared with: ragged_dot / xla_chunked_dot_product_attention). Forward only."""
     if kind == "ragged_dot":
-        path = TOKAMAX / "tokamax_ragged_dot_autotune_derived.csv"
+        path = validate_schedule.DATA / "tokamax_ragged_dot_autotune_derived.csv"
         lhs = f"{_dt(shape.dtype)}[{shape.m},{shape.k}]"
         rhs = f"{_dt(shape.dtype)}[{shape.experts},{shape.k},{shape.n}]"
         match = lambda r: r["kind"] == "fwd" and r["lhs"] == lhs and r["rhs"] == rhs  # noqa: E731
     elif kind == "flash_attention":
-        path = TOKAMAX / "tokamax_attention_autotune_derived.csv"
+        path = validate_schedule.DATA / "tokamax_attention_autotune_derived.csv"
         if shape.window is not None:
             return {}  # the data has no sliding-window shapes
 

@@ -342,6 +342,8 @@ def test_tokamax_registry_entry_and_tiles_per_generation():
     op = anchors._tokamax_op_module()
 
     mixtral = named["mixtral_8x7b_gate_t4096"]
+    data = rows.validate_schedule.DATA
+    assert data.is_dir(), f"tokamax's published data not found at {data}: set PTK_REFERENCE_DATA"
     published = rows.tokamax_ms("ragged_dot", mixtral)["pallas"]  # an independent CSV reader
     for g in ("v5e", "tpu7x"):
         cfg = anchors.tokamax_gmm_config(mixtral, g)
