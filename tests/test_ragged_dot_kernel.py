@@ -641,6 +641,45 @@ def test_gmm_gated_tpu_interpret(layout):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=2e-4)
 
 
+def _gated_halves_call(transpose_rhs, interpret):
+    """Concatenated gate / up with I = 96, no multiple of 128: the halves go in as two arrays
+    (an (.., I) block of the [.., 2I] array is no legal TPU block; test_ragged_dot_compile's
+    i320 case compiles that path), each with its half of the bias."""
+    gs = [9, 0, 14, 6]  # sum 29 < 32
+    lhs, rhs, bias, gsa = _gated_arrays(32, 128, 96, gs, transpose_rhs=transpose_rhs)
+    out = K.gmm_gated(
+        lhs,
+        rhs,
+        gsa,
+        bias,
+        activation="silu",
+        layout="concatenated",
+        transpose_rhs=transpose_rhs,
+        tiling=T.GmmTiling(16, 128, 96),
+        interpret=interpret,
+    )
+    ref = R.gmm_gated_reference(
+        lhs, rhs, gs, bias, activation="silu", layout="concatenated", transpose_rhs=transpose_rhs
+    )
+    return out, ref
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_gated_concatenated_halves_match_reference(transpose_rhs):
+    out, ref = _gated_halves_call(transpose_rhs, True)
+    np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=2e-4)
+    assert np.all(_np(out)[29:] == 0)
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_gmm_gated_concatenated_halves_tpu_interpret():
+    out = _tpu_interpret(lambda p: _gated_halves_call(True, p)[0])
+    np.testing.assert_allclose(
+        np.asarray(out), _gated_halves_call(True, True)[1], rtol=1e-5, atol=2e-4
+    )
+
+
 @pytest.mark.parametrize("layout", ["concatenated", "interleaved"])
 def test_gated_cost_saves_the_intermediate_write(layout):
     """The gated gmm writes [M, I] where gmm + activation writes [M, 2I] (and reads it back for
