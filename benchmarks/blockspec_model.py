@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Operand", "grid_points", "runs", "pipeline_bytes"]
+__all__ = ["Operand", "grid_points", "runs", "pipeline_bytes", "step_copies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,16 +33,36 @@ def grid_points(grid: Sequence[int]) -> list[np.ndarray]:
     return [m.ravel() for m in mesh]
 
 
-def runs(indices: Sequence[np.ndarray], n: int) -> int:
-    """Number of maximal runs of equal consecutive index tuples among n grid steps."""
-    if n == 0:
-        return 0
+def _changed(indices: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """[n] bool: the step's block index tuple differs from the previous step's (step 0: True)."""
     changed = np.zeros(n, dtype=bool)
-    changed[0] = True
+    if n:
+        changed[0] = True
     for idx in indices:
         idx = np.broadcast_to(np.asarray(idx), (n,))
         changed[1:] |= idx[1:] != idx[:-1]
-    return int(changed.sum())
+    return changed
+
+
+def runs(indices: Sequence[np.ndarray], n: int) -> int:
+    """Number of maximal runs of equal consecutive index tuples among n grid steps."""
+    return int(_changed(indices, n).sum())
+
+
+def step_copies(grid: Sequence[int], operands: Sequence[Operand]) -> tuple[np.ndarray, np.ndarray]:
+    """Per grid step (pipeline order): the bytes copied in for the step (its input blocks whose
+    index changed) and the bytes written back after it (its output blocks whose index changes
+    at the next step, or the last step's). Their sums are `pipeline_bytes`' read and write."""
+    pts = grid_points(grid)
+    n = int(np.prod(grid)) if len(grid) else 1
+    reads, writes = np.zeros(n), np.zeros(n)
+    for op in operands:
+        changed = _changed(op.index_map(*pts), n)
+        if op.is_output:  # written when the next step's block differs (or after the last step)
+            writes += np.r_[changed[1:], True] * float(op.block_bytes)
+        else:
+            reads += changed * float(op.block_bytes)
+    return reads, writes
 
 
 def pipeline_bytes(grid: Sequence[int], operands: Sequence[Operand]) -> dict:

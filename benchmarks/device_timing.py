@@ -476,17 +476,23 @@ def check_kernels(kinds, out: Path, log) -> dict:
 
 
 # The chip runs whose times results.json carries, oldest first (a later file's row wins): what
-# `run.py` re-applies whenever it rewrites the results. v5e_ragged_ours_before_program_fit.json
-# and the check files are evidence, not results: our gmm as it was before its program fitted one
-# instruction-memory overlay, and the compiled kernels against the f32 references.
+# `run.py` re-applies whenever it rewrites the results. The other files are evidence, not
+# results: v5e_ragged_ours_before_program_fit.json (our gmm before its program fitted one
+# instruction-memory overlay), v5e_ragged_ours.json's and v5e_ragged_rest.json's rows of ours
+# (before the work-list builders lost their XLA while loops; v5e_ragged_ours_loop_free.json
+# re-times every one), v5e_decode_probe.json (benchmarks/decode_dma_probe.py) and the check files
+# (the compiled kernels against the f32 references).
 DEVICE_DIR = HERE / "results" / "device"
 MEASURED_FILES = (
     "v5e_ragged_anchors.json",
     "v5e_ragged_anchors_deepseek.json",
     "v5e_ragged_ours.json",
     "v5e_ragged_rest.json",
+    "v5e_ragged_ours_loop_free.json",
     "v5e_flash.json",
+    "v5e_flash_all.json",
     "v5e_paged.json",
+    "v5e_paged_ours.json",
 )
 
 

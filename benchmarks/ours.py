@@ -174,32 +174,83 @@ class RaggedDot(Adapter):
         overcount)."""
         t = self.tiles(shape, generation)
         return gmm_trips(
-            self.mod, shape.group_sizes, shape.m, shape.k, shape.n, shape.dtype, t, generation
+            self.mod,
+            shape.group_sizes,
+            shape.m,
+            shape.k,
+            shape.n,
+            shape.dtype,
+            t,
+            generation,
+            per_step=True,
         )
 
 
-def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None) -> dict:
+def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=False) -> dict:
     """`RaggedDot.schedule_trips` for any gmm call: the ragged_dot package `mod`, the call's
     group sizes, problem size and dtype, its tiling `t` and the generation it compiles for (the
-    window columns depend on it)."""
+    window columns depend on it). `per_step`: also each grid step's work (`step_work`, so the
+    schedule overlaps DMA and compute per step)."""
     T, K = mod.tiling, mod.kernel
     unit = T.row_unit(dtype)
+    buckets = T.bucket_sizes(t.tm, unit)
     wl = T._fields(
         T.work_list(
             np.asarray(group_sizes, np.int32),
             m=m,
             tm=t.tm,
-            buckets=T.bucket_sizes(t.tm, unit),
+            buckets=buckets,
             unit=unit,
             kind="gmm",
         )
     )
     compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
-    tiles = -(-n // t.tn) * -(-k // t.tk)
+    nt, kt = -(-n // t.tn), -(-k // t.tk)
     chunks = t.tn // K._n_chunk(t.tk, t.tn, T.get_generation(generation), t.tm, unit)
+    tail = (wl["BUCKET"] >= 0) & compute
+    trips = {
+        "hot_iterations": float(wl["NFULL"][compute].sum() * nt * kt * chunks),
+        "side_region_runs": float(tail.sum() * nt * kt * chunks),
+    }
+    if per_step:
+        rc = T.row_chunk(t.tm)
+        trips["step_work"] = _gmm_step_work(
+            wl, compute, tail, buckets, rc, t, nt, kt, chunks, dtype
+        )
+    return trips
+
+
+def _gmm_step_work(wl, compute, tail, buckets, rc, t, nt, kt, chunks, dtype) -> dict:
+    """Per grid step (N tile, item, K tile) of our gmm: its hot-loop iterations (full windows),
+    tail windows, MXU rows and the bytes its BlockSpecs copy (kernel.py's index maps: lhs
+    (TILE, k), rhs (GROUP, k, n), out (OUT, n); items without MXU work stay on the last K
+    block)."""
+    from blockspec_model import Operand, step_copies
+
+    L = wl["FLAGS"].shape[0]
+    isz = np.dtype(dtype).itemsize
+    rows = np.where(compute, wl["NFULL"] * rc, 0) + np.where(
+        tail, np.asarray(buckets)[np.maximum(wl["BUCKET"], 0)], 0
+    )
+
+    def k_of(j, kb):
+        return np.where(wl["KFIX"][j] != 0, kt - 1, kb)
+
+    reads, writes = step_copies(
+        (nt, L, kt),
+        [
+            Operand("lhs", t.tm * t.tk * isz, lambda nb, j, kb: (wl["TILE"][j], k_of(j, kb))),
+            Operand("rhs", t.tk * t.tn * isz, lambda nb, j, kb: (wl["GROUP"][j], k_of(j, kb), nb)),
+            Operand("out", t.tm * t.tn * isz, lambda nb, j, kb: (wl["OUT"][j], nb), True),
+        ],
+    )
+    per_item = lambda a: np.tile(np.repeat(a, kt), nt).astype(float)  # noqa: E731
     return {
-        "hot_iterations": float(wl["NFULL"][compute].sum() * tiles * chunks),
-        "side_region_runs": float(((wl["BUCKET"] >= 0) & compute).sum() * tiles * chunks),
+        "hot": per_item(np.where(compute, wl["NFULL"], 0) * chunks),
+        "side": per_item(tail * chunks),
+        "mxu": per_item(rows),
+        "reads": reads,
+        "writes": writes,
     }
 
 

@@ -250,6 +250,43 @@ def measured_markdown(results: dict) -> list[str]:
             spread.setdefault((r["kernel"], r["label"], g), []).append(pg["measured_us"] / sched)
     for (kind, label, g), v in spread.items():
         out.append(f"- {kind}, {label}, {g}: {min(v):.2f}-{max(v):.2f} over {len(v)} shapes")
+    return out + [""] + decode_probe_markdown()
+
+
+DECODE_PROBE = RESULTS / "device" / "v5e_decode_probe.json"
+
+
+def decode_probe_markdown(path: Path = DECODE_PROBE) -> list[str]:
+    """The decode gmm's time taken apart on the chip (benchmarks/decode_dma_probe.py): the weight
+    stream alone, the stream with a 16-row matmul per block, and our gmm at several weight
+    blocks, with the run's date; empty when the file is absent."""
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    m = doc["meta"]
+    out = [
+        "### A decode gmm taken apart on the chip",
+        "",
+        f"`benchmarks/decode_dma_probe.py` on {m['device_kind']} ({m['generation']}), jax "
+        f"{m['jax']}, {m['date']}: a Pallas kernel that only streams the experts' weights in "
+        "the given blocks (`stream_*`), the same with a 16-row matmul per block (`stream_mxu16_*`), "
+        "our gmm with those blocks as its (tk, tn) tiles (`ours_*`) and megablox at its 128-row "
+        "large tiles. Ours was timed with the work-list builders of the time, whose three XLA "
+        "while loops cost ~240 us per call (removed since: the named rows above are re-timed). "
+        "Triple buffering of the weight block does not lower in this jax (Mosaic takes one or two "
+        "buffers).",
+        "",
+        "| shape | probe | measured (us) | grid steps | us per step | GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        if "measured_us" not in r:
+            continue
+        out.append(
+            f"| {r['shape']} | {r['probe']} | {_sig(r['measured_us'])} "
+            f"| {r.get('grid_steps', '')} | {_sig(r['us_per_step']) if 'us_per_step' in r else ''} "
+            f"| {_sig(r['gb_per_s']) if 'gb_per_s' in r else ''} |"
+        )
     return out + [""]
 
 

@@ -142,7 +142,11 @@ def per_tile_runs(kind: str, impl: str, shape, generation: str, info: dict, cost
     if impl.startswith("anchor:megablox") or impl == "anchor:tokamax_gmm":
         tk = info["tiling"][1]
         per_tile = cost.grid_steps / -(-shape.k // tk)
-        return {"output_tiles": per_tile, "last_side_runs": per_tile}
+        return {
+            "output_tiles": per_tile,
+            "last_side_runs": per_tile,
+            "step_work": megablox_step_work(shape, info["tiling"]),
+        }
     if impl == "ours":
         import numpy as np
 
@@ -164,6 +168,33 @@ def per_tile_runs(kind: str, impl: str, shape, generation: str, info: dict, cost
         firsts = int(((wl["FLAGS"] & T.F_FIRST) != 0).sum())
         return {"output_tiles": float(firsts * -(-shape.n // tn))}
     return {}
+
+
+def megablox_step_work(shape, tiling) -> dict:
+    """schedule_model.scheduled_from_work's `step_work` of the megablox-scheme gmm (megablox's
+    and tokamax's kernels) on its visit list: every step multiplies a whole (tm, tk) x (tk, tn)
+    block (rows of other groups are masked after), so the steps' compute is the same; their
+    copies follow the index maps anchors._gmm_walk prices (lhs (m tile, k), rhs (group, k, n),
+    out (m tile, n))."""
+    import numpy as np
+
+    import anchors
+    from blockspec_model import Operand, step_copies
+
+    tm, tk, tn = tiling
+    group_ids, m_tile_ids, visits = anchors.gmm_metadata(shape.group_sizes, shape.m, tm)
+    isz = anchors.itemsize(shape.dtype)
+    grid = (-(-shape.n // tn), visits, -(-shape.k // tk))
+    reads, writes = step_copies(
+        grid,
+        [
+            Operand("lhs", tm * tk * isz, lambda n, g, k: (m_tile_ids[g], k)),
+            Operand("rhs", tk * tn * isz, lambda n, g, k: (group_ids[g], k, n)),
+            Operand("out", tm * tn * isz, lambda n, g, k: (m_tile_ids[g], n), is_output=True),
+        ],
+    )
+    ones = np.ones(reads.shape[0])
+    return {"hot": ones, "mxu": ones, "reads": reads, "writes": writes}
 
 
 # A Mosaic kernel travels inside the lowered module as base64 MLIR bytecode in its custom call's

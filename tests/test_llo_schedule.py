@@ -110,6 +110,39 @@ def test_one_step_rule_bounds_each_step_by_its_fullest_unit():
     assert dma["scheduled_us"] == pytest.approx(500 + (10 + model["outside_bundles"]) * 1e-3)
 
 
+def test_per_step_overlap_charges_steps_whose_work_does_not_overlap():
+    """`step_work`: the call's totals spread over its steps and overlapped per step. A step
+    whose DMA has no compute to hide under (a new weight block for a few rows) costs more than
+    the pooled rule's max(compute, DMA); steps with the same mix cost the pooled time plus the
+    exposed first copy and last write-back."""
+    import numpy as np
+
+    class Gen:  # one bundle per ns, 1 byte per ns, no MXU floor, no fixed per-step cost
+        clock_hz, hbm_bytes_per_s, bf16_flops, step_overhead_s = 1e9, 1e9, 1e30, 0.0
+
+    model = M.work_model_inputs(_synthetic())
+    kw = dict(mxu_flops=0.0, grid_steps=4, hbm_bytes=4000.0, generation=Gen, hot_iterations=4)
+    pooled = M.scheduled_from_work(model, **kw)
+    fixed_us = model["outside_bundles"] * 1e-3
+    compute_us = pooled["bundle_us"]
+    assert pooled["scheduled_us"] == pytest.approx(4.0 + fixed_us)  # DMA-bound: 4000 bytes
+    one = np.ones(4)
+    # the same mix on every step: 1 us of copies in per step, the last step's write-back none
+    same = dict(hot=one, mxu=one, reads=one, writes=np.zeros(4))
+    t = M.scheduled_from_work(model, step_work=same, **kw)
+    # step 0's copy is exposed, steps 0-2 hide the next step's 1 us, step 3 hides nothing
+    want = 1.0 + 3 * max(compute_us / 4, 1.0) + compute_us / 4
+    assert t["scheduled_us"] == pytest.approx(want + fixed_us)
+    assert t["pooled_work_us"] == pytest.approx(4.0)
+    # all copies before a step with no compute (steps 1-3 idle of MXU work): nothing overlaps
+    apart = dict(hot=np.r_[4.0, 0, 0, 0], mxu=np.r_[1.0, 0, 0, 0], reads=np.r_[0, 0, 0, 4.0],
+                 writes=np.zeros(4))  # fmt: skip
+    t2 = M.scheduled_from_work(model, step_work=apart, **kw)
+    assert t2["scheduled_us"] > t["scheduled_us"] > pooled["scheduled_us"]
+    with pytest.raises(ValueError, match="one value per grid step"):
+        M.scheduled_from_work(model, step_work=dict(same, reads=np.ones(3)), **kw)
+
+
 # A grid step that chooses one of two MXU paths inside a `pl.when(valid)` wrapper, the way the
 # paged kernel picks its narrow (decode) or whole-q-block path: bundle 2 skips the wrapper
 # (bundles 3-9), bundle 3 the narrow path (bundle 4), bundle 6 the wide path (bundles 7-8).
@@ -491,7 +524,16 @@ def test_per_tile_runs_count_output_tiles_from_the_grid_and_work_list():
     mb = schedule_rows.per_tile_runs(
         "ragged_dot", "anchor:megablox_default", shape, "v6e", {"tiling": [32, 128, 128]}, cost
     )
+    steps = mb.pop("step_work")
     assert mb == {"output_tiles": 15.0, "last_side_runs": 15.0}
+    # ... and its steps' copies are the closed form's (anchors._gmm_walk), every step busy
+    import anchors
+
+    walk, _ = anchors._gmm_walk(
+        shape, (32, 128, 128), anchors.gmm_metadata(shape.group_sizes, 128, 32)
+    )
+    assert len(steps["hot"]) == walk.grid_steps and steps["hot"].min() == 1
+    assert steps["reads"].sum() + steps["writes"].sum() == walk.hbm_bytes
     assert schedule_rows.per_tile_runs("flash_attention", "ours", shape, "v6e", {}, cost) == {}
 
 

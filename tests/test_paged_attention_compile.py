@@ -61,6 +61,8 @@ def test_decode_batch_compiles(generation, page_size):
 def test_mixed_batch_with_prefill_chunk_compiles(generation, page_size):
     compiled = _compile(generation, page_size, 2048 + SEQS - 1)
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+    # The work list and the new tokens' slots come from loop-free XLA ops.
+    assert tpu_compile.xla_while_loops(compiled) == []
 
 
 @pytest.mark.parametrize("generation", tpu_compile.one_generation(2))

@@ -56,7 +56,9 @@ def test_compiles_forward(generation, model, projection):
     tokens, experts, top_k, projections = MODELS[model]
     k, n = projections[projection]
     # Forward: out = x @ W^T with W stored [E, N, K] (transpose_rhs=True).
-    assert _compile_gmm(generation, tokens * top_k, k, n, experts, transpose_rhs=True) is not None
+    compiled = _compile_gmm(generation, tokens * top_k, k, n, experts, transpose_rhs=True)
+    # The work list is built by loop-free XLA ops (each while-loop iteration costs microseconds).
+    assert tpu_compile.xla_while_loops(compiled) == []
 
 
 # The two backward kernels at every (model, projection), each case on one generation in CI
@@ -73,12 +75,10 @@ def test_compiles_dlhs_and_tgmm(generation, model, projection):
     assert _compile_gmm(generation, m, n, k, experts, transpose_rhs=False) is not None
     # Weight gradient [E, N, K] = tgmm(dout, x).
     fn = functools.partial(K.tgmm, generation=generation)
-    assert (
-        tpu_compile.compile_for(
-            generation, fn, ((m, n), BF16), ((m, k), BF16), ((experts,), jnp.int32)
-        )
-        is not None
+    compiled = tpu_compile.compile_for(
+        generation, fn, ((m, n), BF16), ((m, k), BF16), ((experts,), jnp.int32)
     )
+    assert tpu_compile.xla_while_loops(compiled) == []
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,14 @@ def compile_for(generation: str, fn, *args, static_argnames=(), **kwargs):
     return lower_for(generation, fn, *args, static_argnames=static_argnames, **kwargs).compile()
 
 
+def xla_while_loops(compiled) -> list[str]:
+    """The XLA while loops of a compiled program (their HLO lines), outside any Pallas kernel
+    (a kernel is one custom call). Each iteration of one costs a few microseconds on a TPU: the
+    work-list builders' jnp.searchsorted / maximum.accumulate loops once cost a 64-token decode
+    gmm ~240 us on a v5e chip (work_list.searchsorted / cummax replace them)."""
+    return [line.strip()[:160] for line in compiled.as_text().splitlines() if " while(" in line]
+
+
 def lower_for(generation: str, fn, *args, static_argnames=(), **kwargs):
     """`compile_for` up to the lowered program (what the compiler is handed; seconds, no
     compile). Returns the Lowered object."""

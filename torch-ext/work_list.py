@@ -27,7 +27,11 @@ Builder contract. A family's list builder is one function of (sizes, static tili
 list exactly as long as its live items unless a length is given); with `xp=jnp` it runs in the
 traced program (the lengths are traced values, so the list has a static length bound and a padding
 tail). The same code serves both: no host-side twin to keep equal by hand. Columns go through
-`LAYOUT.stack` / `LAYOUT.flat`, which fix the storage order.
+`LAYOUT.stack` / `LAYOUT.flat`, which fix the storage order. Builders search and take running
+maxima with `searchsorted` / `cummax` below, never `xp.searchsorted` / `xp.maximum.accumulate`:
+in a traced program those are XLA while loops, one iteration per bisection step or per element,
+each a few microseconds on a TPU. On a TPU v5e chip the ragged-dot list's three loops cost ~240 us
+per call, a fifth of a 64-token decode gmm (benchmarks/results/device/v5e_decode_probe.json).
 
 Vendored into every Hub package at build time: no imports from the collection.
 """
@@ -57,7 +61,35 @@ __all__ = [
     "FLAGS_FIELD",
     "RecordLayout",
     "decode_flags",
+    "searchsorted",
+    "cummax",
 ]
+
+# A traced `searchsorted` compares every query with every sorted value in one fused op up to
+# this many comparisons (a few microseconds of vector work); past it, a bisection unrolled into
+# log2(n) gather steps. Neither is an XLA while loop.
+COMPARE_ALL_LIMIT = 1 << 22
+
+
+def searchsorted(sorted_values, queries, *, side: str, xp: Any = np):
+    """`np.searchsorted(sorted_values, queries, side=side)` on host arrays, and its loop-free
+    equivalent on traced ones (jax.numpy's default method is a while loop)."""
+    if xp is np:
+        return np.searchsorted(sorted_values, queries, side=side)
+    size = int(np.prod(np.shape(sorted_values))) * int(np.prod(np.shape(queries)))
+    method = "compare_all" if size <= COMPARE_ALL_LIMIT else "scan_unrolled"
+    return xp.searchsorted(sorted_values, queries, side=side, method=method)
+
+
+def cummax(a, xp: Any = np):
+    """Running maximum along the first axis: `np.maximum.accumulate` on host arrays,
+    `jax.lax.cummax` (one reduce-window op) on traced ones (`jnp.maximum.accumulate` is a while
+    loop over the elements)."""
+    if xp is np:
+        return np.maximum.accumulate(a) if a.size else a
+    import jax
+
+    return jax.lax.cummax(a, axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

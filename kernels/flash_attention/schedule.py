@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout
+from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout, cummax
 
 # A band edge past every sequence length: that side of the band is open.
 UNBOUNDED = 1 << 30
@@ -166,7 +165,7 @@ def build_work_list(
     idx = xp.arange(length, dtype=np.int32)
     live = idx < count
     # Dummy items borrow the previous real item's inner block index, so they cost no extra DMA.
-    last_real = _cummax(xp, xp.where(real & live, idx, -1))
+    last_real = cummax(xp.where(real & live, idx, -1), xp)
     src = xp.maximum(last_real, 0)
     if kv_major:
         qi = xp.where(real, qi, qi[src])
@@ -192,12 +191,6 @@ def build_work_list(
         dict(QI=qi.astype(np.int32), KI=ki.astype(np.int32), SEQ=si.astype(np.int32), FLAGS=flags),
         xp,
     )
-
-
-def _cummax(xp, a):
-    if xp is np:
-        return np.maximum.accumulate(a) if a.size else a
-    return jax.lax.cummax(a, axis=0)
 
 
 def max_work_items(n_seq: int, nq: int, nk: int) -> int:

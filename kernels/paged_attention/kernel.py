@@ -78,6 +78,7 @@ from . import tiling
 from .schedule import LAYOUT, build_work_list
 from .tiling import PagedAttentionConfig
 from .tpu_generations import get_generation, vmem_limit_bytes
+from .work_list import searchsorted
 
 # A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without inf - inf NaNs.
 NEG = -1e30
@@ -1474,7 +1475,7 @@ def write_slots(
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     S = kv_lens.shape[0]
     live_end = cu_q_lens[jnp.minimum(num_seqs.reshape(-1)[0], S)]
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, S - 1)
+    seq = jnp.clip(searchsorted(cu_q_lens, t, side="right", xp=jnp) - 1, 0, S - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
     page = page_table[seq, jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)]

@@ -61,6 +61,7 @@ from . import kernel
 from ._ops import add_op_namespace_prefix
 from .jax_bridge import jax_op, pallas_interpret
 from .shape_buckets import bucket_count, bucket_tokens
+from .work_list import searchsorted
 
 VARLEN_PAGE_SIZE = 16
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,7 +144,7 @@ def _varlen_jax(
         first_page[:, None] + jnp.arange(pages_per_seq)[None, :], num_pages - 1
     )
     j = jnp.arange(tk)
-    seq = jnp.clip(jnp.searchsorted(cu_seqlens_k, j, side="right") - 1, 0, S - 1)
+    seq = jnp.clip(searchsorted(cu_seqlens_k, j, side="right", xp=jnp) - 1, 0, S - 1)
     r = j - cu_seqlens_k[seq]
     page, row = first_page[seq] + r // page_size, r % page_size
     kv = jnp.stack([k, v], axis=2).reshape(tk, 2 * hkv, d)

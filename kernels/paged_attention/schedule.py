@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .work_list import RecordLayout
+from .work_list import RecordLayout, searchsorted
 
 # Q_BLOCK: the item's q block (its q / output BlockSpec index); padding repeats the last item's.
 # SEQ: the sequence (page-table row), -1 for an empty item. FIRST_PAGE, NUM_PAGES: the KV block,
@@ -108,7 +108,7 @@ def build_work_list(
     block_ends = xp.cumsum(counts.reshape(num_q_blocks, num_slots + 1).sum(axis=1))
     length = int(total) if max_items is None else max_items
     i = xp.arange(length, dtype=xp.int32)
-    pair = xp.minimum(xp.searchsorted(ends, i, side="right"), counts.shape[0] - 1)
+    pair = xp.minimum(searchsorted(ends, i, side="right", xp=xp), counts.shape[0] - 1)
     k = i - starts[pair]
     qb, col = pair // (num_slots + 1), pair % (num_slots + 1)
     is_seq = col < num_slots

@@ -46,6 +46,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import kernel as _kernel
+from .work_list import searchsorted
 
 __all__ = [
     "moe_layer",
@@ -284,7 +285,7 @@ def _body_all_to_all(
     # Received rows come per source, each sorted by local expert: find each row's expert and
     # regroup by expert (rows past the received total get the no-group id local_experts).
     row = jnp.arange(cap)
-    src = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_sizes), row, side="right"), 0, devices - 1)
+    src = jnp.clip(searchsorted(jnp.cumsum(recv_sizes), row, side="right", xp=jnp), 0, devices - 1)
     pos = row - recv_offsets[src]
     mine = counts[:, me, :]  # [src, local expert]
     ends = jnp.cumsum(mine, axis=-1)[src]  # [cap, local experts]

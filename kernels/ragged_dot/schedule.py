@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout
+from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout, cummax, searchsorted
 
 # Work-list record fields (work_list.py: stored field-major, one int32 array [len(fields) * L]).
 #   OUT: block index of the output (row tile for gmm, group for tgmm); padding repeats the last.
@@ -124,7 +124,7 @@ def work_list(
     count = cum[-1]
     ng = n_items.shape[0]
     j = xp.arange(L, dtype=i32)
-    g = xp.minimum(xp.searchsorted(cum, j, side="right"), ng - 1).astype(i32)
+    g = xp.minimum(searchsorted(cum, j, side="right", xp=xp), ng - 1).astype(i32)
     tile = (t0[g] + j - (cum[g] - n_items[g])).astype(i32)
     valid = j < count
     lo = xp.clip(starts[g] - tile * tm, 0, tm).astype(i32)
@@ -140,7 +140,7 @@ def work_list(
     last = valid & ((j == count - 1) | (key != next_key))
 
     # Blocks of items without MXU work stay those of the last computing item: no new DMA.
-    last_compute = xp.maximum.accumulate(xp.where(compute, j, -1))
+    last_compute = cummax(xp.where(compute, j, -1), xp)
     has = last_compute >= 0
     lc = xp.maximum(last_compute, 0)
     res_tile = xp.where(has, tile[lc], 0).astype(i32)
@@ -153,7 +153,7 @@ def work_list(
     nfull = (hi - s0) // rc
     tail_lo = s0 + nfull * rc
     has_tail = compute & (hi > tail_lo)
-    bidx = xp.minimum(xp.searchsorted(bucket_arr, hi - tail_lo, side="left"), len(buckets) - 1)
+    bidx = xp.minimum(searchsorted(bucket_arr, hi - tail_lo, side="left", xp=xp), len(buckets) - 1)
     # A tail window that would cross the tile's end slides back; the rows it then shares with
     # the full chunks are masked out by the kernel.
     tstart = xp.where(has_tail, xp.minimum(tail_lo, tm - bucket_arr[bidx]), 0).astype(i32)
