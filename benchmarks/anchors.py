@@ -125,21 +125,30 @@ def gmm_cost(shape, tiling=GMM_TILING, out_dtype: str | None = None):
     return _gmm_walk(shape, tiling, gmm_metadata(shape.group_sizes, shape.m, tiling[0]), out_dtype)
 
 
-def _gmm_walk(shape, tiling, metadata, out_dtype=None, lhs_buffers: int = 2):
-    """The megablox-scheme gmm (megablox's and tokamax's kernels share it): grid (N tiles,
-    visits, K tiles) over the visit list `metadata` = (group_ids, m_tile_ids, visits); lhs
-    [tm, tk] of the visit's m tile, rhs [tk, tn] of its group, out [tm, tn] of its m tile."""
+def gmm_operands(shape, tiling, metadata, out_dtype=None):
+    """(grid, operands) of the megablox-scheme gmm (megablox's and tokamax's kernels share it):
+    grid (N tiles, visits, K tiles) over the visit list `metadata` = (group_ids, m_tile_ids,
+    visits); lhs [tm, tk] of the visit's m tile, rhs [tk, tn] of its group, out [tm, tn] of its
+    m tile."""
     tm, tk, tn = tiling
     isz = itemsize(shape.dtype)
     osz = itemsize(out_dtype or shape.dtype)
     group_ids, m_tile_ids, visits = metadata
-    tiles_k, tiles_n = math.ceil(shape.k / tk), math.ceil(shape.n / tn)
-    grid = (tiles_n, visits, tiles_k)
-    ops = [
+    grid = (math.ceil(shape.n / tn), visits, math.ceil(shape.k / tk))
+    return grid, [
         Operand("lhs", tm * tk * isz, lambda n, g, k: (m_tile_ids[g], k)),
         Operand("rhs", tk * tn * isz, lambda n, g, k: (group_ids[g], k, n)),
         Operand("out", tm * tn * osz, lambda n, g, k: (m_tile_ids[g], n), is_output=True),
     ]
+
+
+def _gmm_walk(shape, tiling, metadata, out_dtype=None, lhs_buffers: int = 2):
+    """The megablox-scheme gmm's cost over its visit list `metadata` (gmm_operands)."""
+    tm, tk, tn = tiling
+    isz = itemsize(shape.dtype)
+    osz = itemsize(out_dtype or shape.dtype)
+    grid, ops = gmm_operands(shape, tiling, metadata, out_dtype)
+    visits = grid[1]
     p = pipeline_bytes(grid, ops)
     steps = p["steps"]
     cost = KernelCost(
@@ -713,8 +722,10 @@ def _splash_modules():
     return sk, sm
 
 
-def splash_kernel(shape, block: int = SPLASH_BLOCK):
-    """Splash MHA (GQA through its head mapping) with a causal or local (sliding-window) mask."""
+def splash_kernel(shape, block: int = SPLASH_BLOCK, backward: bool = False):
+    """Splash MHA (GQA through its head mapping) with a causal or local (sliding-window) mask.
+    `backward`: differentiable, its fused dq/dk/dv kernel at the same blocks (the configuration
+    MaxText and tokamax run for training); the forward is the same kernel either way."""
     sk, sm = _splash_modules()
     S = shape.seq
     b = min(block, S)
@@ -725,7 +736,8 @@ def splash_kernel(shape, block: int = SPLASH_BLOCK):
     else:
         head_mask = sm.FullMask((S, S))
     mask = sm.MultiHeadMask([head_mask] * shape.q_heads)
-    bs = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b)
+    bwd = dict(block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+    bs = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, **(bwd if backward else {}))
     import jax
 
     # make_splash_mha builds its mask tables with eager jnp ops: on the host's CPU, not on the
@@ -798,12 +810,12 @@ def splash_cost(shape, block: int = SPLASH_BLOCK):
     return cost, {"block": b, "kv_width": width, "notes": notes}
 
 
-def splash_compile_args(shape, block: int = SPLASH_BLOCK):
+def splash_compile_args(shape, block: int = SPLASH_BLOCK, backward: bool = False):
     """(fn, avals): q [H, S, D], k/v [Hkv, S, D]; with batch > 1 a leading batch axis and one
-    kernel call per sequence."""
+    kernel call per sequence. `backward`: fn is differentiable (splash_kernel)."""
     import jax.numpy as jnp
 
-    kernel = splash_kernel(shape, block)
+    kernel = splash_kernel(shape, block, backward)
     dt = _jnp_dtype(shape.dtype)
     scale = shape.head_dim**-0.5
     lead = (shape.batch,) if shape.batch > 1 else ()

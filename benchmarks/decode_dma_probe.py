@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import shapes as shapes_mod
-from device_timing import _device_info, _write, time_call
+from device_timing import _device_info, case_record, timed
 from rows import sig6
 
 SHAPES = ("qwen3_30b_a3b_gate_up_t64", "qwen3_30b_a3b_down_t64")
@@ -181,25 +179,16 @@ def main(argv=None):
         for shape in chosen:
             for name, build, step_bytes, steps in probes(shape, args.interpret):
                 rec = {"shape": shape.name, "probe": name, "step_bytes": step_bytes}
-                t0 = time.time()
-                try:
+                with case_record(doc, rec, args.out, log):
                     fn, fargs = build()
-                    t = time_call(fn, fargs, target_s=0.0 if args.interpret else 0.2)
-                    us = t.pop("seconds") * 1e6
-                    rec.update(t, measured_us=sig6(us))
+                    rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))
+                    us = rec["measured_us"]
                     if steps:
-                        per = us / steps
                         rec.update(
                             grid_steps=steps,
-                            us_per_step=sig6(per),
+                            us_per_step=sig6(us / steps),
                             gb_per_s=sig6(step_bytes * steps / us / 1e3),
                         )
-                except Exception as e:  # a probe that fails is recorded, never dropped
-                    rec["error"] = f"{type(e).__name__}: {e}"[:400]
-                rec["wall_s"] = round(time.time() - t0, 1)
-                doc["rows"].append(rec)
-                _write(args.out, doc)
-                log(json.dumps(rec))
     return doc
 
 

@@ -26,6 +26,7 @@ the whole stack) times the rows of its own section with the same `time_call`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -73,6 +74,32 @@ def time_call(f, args, target_s: float = 0.2, runs: int = 3, warmup: int = 2) ->
         "single_call_s": sig6(one_s),
         "first_call_s": sig6(first_s),  # compile + one run
     }
+
+
+def timed(fn, args, target_s: float = 0.2) -> dict:
+    """`time_call` of `fn` (jitted here unless it is already) as a record's fields: measured_us
+    and the run details."""
+    import jax
+
+    t = time_call(fn if hasattr(fn, "lower") else jax.jit(fn), args, target_s=target_s)
+    us = sig6(t.pop("seconds") * 1e6)
+    return {**t, "measured_us": us}
+
+
+@contextlib.contextmanager
+def case_record(doc: dict, rec: dict, out: Path, log):
+    """One case of a chip run: the body fills `rec`; an exception it raises becomes the case's
+    error (a case that fails is recorded, never dropped); then its wall time, and the document
+    is rewritten (a run cut short keeps what it timed)."""
+    t0 = time.time()
+    try:
+        yield rec
+    except Exception as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[:600]
+    rec["wall_s"] = round(time.time() - t0, 1)
+    doc["rows"].append(rec)
+    _write(out, doc)
+    log(json.dumps(rec))
 
 
 def row_callable(kind: str, impl: str, shape, generation: str):
@@ -202,8 +229,6 @@ def time_named_rows(kinds, out: Path, log, only_impls=None, shape_names=None) ->
     rewritten after each row, so a run cut short keeps what it timed."""
     import gc
 
-    import jax
-
     gen = _device_info()["generation"]
     doc = {"meta": _device_info(), "method": __doc__.split("How a row is timed: ")[1], "rows": []}
     for kind in kinds:
@@ -215,8 +240,7 @@ def time_named_rows(kinds, out: Path, log, only_impls=None, shape_names=None) ->
                 if only_impls and impl not in only_impls:
                     continue
                 rec = {"kernel": kind, "shape": shape.name, "impl": impl, "generation": gen}
-                t0 = time.time()
-                try:
+                with case_record(doc, rec, out, log):
                     why = (
                         registry.anchor(kind, impl).unsupported(shape, gen)
                         if impl != "ours"
@@ -226,8 +250,7 @@ def time_named_rows(kinds, out: Path, log, only_impls=None, shape_names=None) ->
                         rec["unsupported"] = why
                     else:
                         fn, args = row_callable(kind, impl, shape, gen)
-                        t = time_call(jax.jit(fn), args)
-                        rec.update(t, measured_us=sig6(t.pop("seconds") * 1e6))
+                        rec.update(timed(fn, args))
                         if impl == "ours":
                             try:
                                 rec["rel_err_vs_anchor"] = _same_inputs_check(
@@ -236,12 +259,6 @@ def time_named_rows(kinds, out: Path, log, only_impls=None, shape_names=None) ->
                             except Exception as e:
                                 rec["anchor_check_error"] = f"{type(e).__name__}: {e}"[:300]
                         del args
-                except Exception as e:  # a row that fails is recorded, never dropped silently
-                    rec["error"] = f"{type(e).__name__}: {e}"[:600]
-                rec["wall_s"] = round(time.time() - t0, 1)
-                doc["rows"].append(rec)
-                _write(out, doc)
-                log(json.dumps(rec))
                 gc.collect()
     return doc
 

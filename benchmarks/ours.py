@@ -289,9 +289,9 @@ class FlashAttention(Adapter):
             block_q=128, block_kv=256, block_kv_compute=128, block_q_bwd=128, block_kv_bwd=128
         )
 
-    def cost(self, shape, generation, tiles=None):
-        ids = shape.segment_ids()
-        t = tiles or self.mod.tiling.choose_tiles(
+    def _tiles(self, shape, generation, tiles=None):
+        """The tiles the kernel picks for the shape (or `tiles`)."""
+        return tiles or self.mod.tiling.choose_tiles(
             q_len=shape.seq,
             kv_len=shape.seq,
             num_q_heads=shape.q_heads,
@@ -301,8 +301,12 @@ class FlashAttention(Adapter):
             causal=shape.causal,
             window_size=_window_size(shape),
             generation=generation,
-            segments=ids is not None,
+            segments=shape.segment_ids() is not None,
         )
+
+    def cost(self, shape, generation, tiles=None):
+        ids = shape.segment_ids()
+        t = self._tiles(shape, generation, tiles)
         rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
         c = self.mod.tiling.estimate_cost(
             batch=shape.batch,
@@ -350,8 +354,150 @@ class FlashAttention(Adapter):
         the interior path's bundles per push, masked tiles at the edge walk's (its masked
         groups, remainders and the q-tile loop around them, averaged over its static pushes).
         Unmasked tiles of edge items also run in the walk, at nearly the interior's rate (its
-        mask-free group loop)."""
-        return flash_branch_pushes(self.cost(shape, generation)[0])
+        mask-free group loop). With segment ids the step runs the edge walk only: a rolled loop
+        over a q tile's kv slices, one masked tile per iteration (its hot loop), so the call's
+        hot iterations are its live tiles (`hot_iterations`; a slice whose documents miss the
+        q tile's is skipped inside the iteration, its few bundles not charged).
+        `step_work`: the same per grid step (`step_work`)."""
+        cost = self.cost(shape, generation, tiles)[0]
+        if shape.segment_ids() is not None:
+            trips = {"hot_iterations": float(cost.compute_tiles)}
+        else:
+            trips = flash_branch_pushes(cost)
+        if trips is not None:
+            trips["step_work"] = self.step_work(shape, generation, tiles, cost)
+        return trips
+
+    def _fwd_items(self, shape, generation, tiles=None) -> dict:
+        """The forward's work list(s) as the kernel builds them (kernel._items, from the padded
+        lengths, the band and the padded segment ids as kernel._prepare makes them): "fields",
+        {QI, KI, SEQ, FLAGS} as [lists, steps] (one list for the batch, or one per batch row
+        with segment ids: the grid walks `steps` items of each, a shorter row's tail repeating
+        its last item's blocks with no flags), "layout" / "flat" (the SMEM array, for the index
+        maps' reads), and what the tile counting needs (seqs, band, tiles, segment-id ranges
+        per compute tile where the kernel holds them)."""
+        K, T = self.mod.kernel, self.mod.tiling
+        t = self._tiles(shape, generation, tiles)
+        B, Hkv, D = shape.batch, shape.kv_heads, shape.head_dim
+        bq, bk = t.block_q, t.block_kv
+        Sq = K._round_up(shape.seq, max(t.block_q, t.block_q_bwd))
+        Sk = K._round_up(shape.seq, max(t.block_kv, t.block_kv_bwd))
+        seqs = K._seq_table_dense(shape.seq, shape.seq)
+        band = K.Band.make(shape.causal, *_window_size(shape))
+        prob = K._Problem(
+            B, Hkv, shape.q_heads // Hkv, Sq, Sk, D, band, 1.0, shape.softcap or 0.0, 1, None
+        )
+        ids = shape.segment_ids()
+        qseg = kseg = tables = None
+        if ids is not None:
+            rows = np.broadcast_to(np.asarray(ids, np.int32), (B, shape.seq))
+            qseg = np.pad(rows, ((0, 0), (0, Sq - shape.seq)), constant_values=-1)
+            kseg = np.pad(rows, ((0, 0), (0, Sk - shape.seq)), constant_values=-2)
+            if T.tile_ranges_fit(B, Sq // t.q_compute, Sk // t.block_kv_compute):
+                tables = (
+                    *K._segment_ranges(qseg, t.q_compute),
+                    *K._segment_ranges(kseg, t.block_kv_compute),
+                )
+        flat, layout, steps = K._items(seqs, prob, Sq // bq, Sk // bk, bq, bk, False, qseg, kseg)
+        flat = np.asarray(flat)
+        n_lists = flat.size // (K.LAYOUT.n_fields * layout.n_items)
+        lists = np.arange(n_lists)[:, None]
+        fields = {
+            name: np.asarray(layout.field(flat, lists, np.arange(steps)[None, :], name))
+            for name in K.LAYOUT.fields
+        }
+        return dict(
+            fields=fields,
+            flat=flat,
+            layout=layout,
+            steps=steps,
+            seqs=tuple(np.asarray(a, np.int64) for a in seqs),
+            band=band,
+            tiles=t,
+            tables=tables,
+            segments=ids is not None,
+            Sq=Sq,
+            Sk=Sk,
+        )
+
+    def step_work(self, shape, generation, tiles=None, cost=None) -> dict:
+        """scheduled_from_work's `step_work` of the forward: one grid step per (batch row, KV
+        head, work item), in grid order (B, Hkv, items). "trips": the step's own trip counts as
+        `schedule_trips` counts the call's (its item's unmasked and masked tiles' MXU pushes on
+        the interior / edge paths, or with segment ids its live tiles as hot iterations), from
+        tiling.count_tiles on the item alone, so they add up to the call's; "hot": its live
+        tiles; "mxu": their MXU FLOPs; "reads" / "writes": the copies of the kernel's
+        BlockSpecs (kernel._forward's index maps on the list: q block and o / lse by QI, k and
+        v blocks by KI, each with the batch row and KV head; the segment-id blocks by QI / KI
+        with the batch row only), blockspec_model.step_copies; the scalar-prefetched list,
+        sequence table and tile ranges arrive before the first step (its reads). The bytes add
+        up to estimate_cost's hbm_bytes (`cost`: the call's, when the caller has it)."""
+        from blockspec_model import Operand, step_copies
+
+        T = self.mod.tiling
+        w = self._fwd_items(shape, generation, tiles)
+        t, f, tables = w["tiles"], w["fields"], w["tables"]
+        B, Hkv, D = shape.batch, shape.kv_heads, shape.head_dim
+        G = shape.q_heads // Hkv
+        bq, bk, bqc, bkc = t.block_q, t.block_kv, t.q_compute, t.block_kv_compute
+        n_lists, steps = f["QI"].shape
+        # Each item's (live, masked) tiles, counted on it alone (the lists' other items empty),
+        # per batch row where the rows differ (a list each, or the rows' own tile ranges).
+        rows = B if tables is not None else n_lists
+        live = np.zeros((rows, steps))
+        masked = np.zeros((rows, steps))
+        stack = np.stack([f[name] for name in self.mod.kernel.LAYOUT.fields], axis=1)
+        empty = np.zeros((4, 0), np.int32)
+        for b in range(rows):
+            for i in range(steps):
+                one = [empty] * b + [stack[min(b, n_lists - 1), :, i : i + 1]]
+                live[b, i], masked[b, i] = T.count_tiles(
+                    one, w["seqs"], w["band"], bq, bqc, bk, bkc, tables, w["segments"]
+                )
+        # grid order (B, Hkv, items); one list serves every batch row
+        per_step = lambda a: np.repeat(  # noqa: E731
+            np.broadcast_to(a, (B, steps))[:, None, :], Hkv, axis=1
+        ).ravel()
+        live, masked = per_step(live), per_step(masked)
+        cost = cost or self.cost(shape, generation, tiles)[0]
+        per_tile = cost.mxu_pushes / cost.compute_tiles if cost.compute_tiles else 0.0
+        if w["segments"]:
+            trips = [{"hot_iterations": float(n)} for n in live]
+        else:
+            trips = [
+                {"branch_pushes": [float((n - m) * per_tile), float(m * per_tile)]}
+                for n, m in zip(live, masked)
+            ]
+        isz = np.dtype(shape.dtype).itemsize
+        flat, layout = w["flat"], w["layout"]
+        # the kernel's index maps read the list (one list: every batch row reads it)
+        qb = lambda b, i: layout.field(flat, b, i, "QI")  # noqa: E731
+        kb = lambda b, i: layout.field(flat, b, i, "KI")  # noqa: E731
+        ops = [
+            Operand("q", G * bq * D * isz, lambda b, h, i: (b, h, qb(b, i))),
+            Operand("k", bk * D * isz, lambda b, h, i: (b, h, kb(b, i))),
+            Operand("v", bk * D * isz, lambda b, h, i: (b, h, kb(b, i))),
+            Operand("o", G * bq * D * isz, lambda b, h, i: (b, h, qb(b, i)), True),
+            Operand("lse", G * bq * 4, lambda b, h, i: (b, h, qb(b, i)), True),
+        ]
+        if w["segments"]:
+            ops += [
+                Operand("q_ids", bq * T.NUM_LANES * 4, lambda b, h, i: (b, qb(b, i))),
+                Operand("kv_ids", T.NUM_SUBLANES * bk * 4, lambda b, h, i: (b, kb(b, i))),
+            ]
+        reads, writes = step_copies((B, Hkv, steps), ops)
+        # scalar prefetch: the list(s) and the sequence table; with segment ids the tile ranges
+        reads[0] += 4 * flat.size + 5 * 4 * len(w["seqs"][0])
+        if tables is not None:
+            reads[0] += B * (w["Sq"] // bqc + w["Sk"] // bkc) * 2 * 4
+        dp = -(-D // T.NUM_LANES) * T.NUM_LANES
+        return {
+            "trips": trips,
+            "hot": live,
+            "mxu": live * 2 * (2 * G * bqc * bkc * dp),
+            "reads": reads,
+            "writes": writes,
+        }
 
     def _fn(self, shape, generation, tiles=None):
         fwd = self.mod.kernel.flash_attention_fwd
@@ -403,8 +549,9 @@ class PagedAttention(Adapter):
     def small_tiles(self):
         return self.mod.tiling.PagedAttentionConfig(block_q=8, pages_per_block=4)
 
-    def cost(self, shape, generation, tiles=None):
-        c = self.mod.tiling.estimate_cost(
+    def _traffic_args(self, shape) -> dict:
+        """The call as tiling.traffic / estimate_cost take it (without generation and tiles)."""
+        return dict(
             q_lens=[q for q, _ in shape.seqs],
             kv_lens=[kv for _, kv in shape.seqs],
             num_q_heads=shape.q_heads,
@@ -418,8 +565,11 @@ class PagedAttention(Adapter):
             token_major=shape.layout == "token_major",
             token_scales=shape.token_scales,
             head_scales=shape.head_scales,
-            generation=generation,
-            config=tiles,
+        )
+
+    def cost(self, shape, generation, tiles=None):
+        c = self.mod.tiling.estimate_cost(
+            **self._traffic_args(shape), generation=generation, config=tiles
         )
         cfg = self._config(shape, generation, tiles)
         return c, {
@@ -461,13 +611,14 @@ class PagedAttention(Adapter):
         )
         return items, cfg, rows
 
-    def step_loops(self, shape, generation, tiles=None) -> dict:
+    def step_loops(self, shape, generation, tiles=None, items=None) -> dict:
         """The kernel's rolled loops outside its compute paths by name, program order, with
-        their iterations over the call: "item", an item's, and "block", its grid step's around
-        the item loop (tiling.step_loop_trips; schedule_model.align_loop_trips puts them on the
-        compiled loops)."""
+        their iterations over the call (or over `items`, part of its work list): "item", an
+        item's, and "block", its grid step's around the item loop (tiling.step_loop_trips;
+        schedule_model.align_loop_trips puts them on the compiled loops)."""
         T = self.mod.tiling
-        items, cfg, rows = self._work_list(shape, generation, tiles)
+        call_items, cfg, rows = self._work_list(shape, generation, tiles)
+        items = call_items if items is None else items
         group = shape.q_heads // shape.kv_heads
         token_major = shape.layout == "token_major"
         return T.step_loop_trips(
@@ -496,9 +647,19 @@ class PagedAttention(Adapter):
         none. Each q block's grid step loops over its items (`work_items`: the list's items);
         the item's rolled loops (page DMA issue and wait, stale-slot zeroing) and the grid
         step's (the q block's init and write-back) are charged by their iterations over the
-        call (`step_loops`)."""
+        call (`step_loops`). `step_work`: the same per grid step, with each step's MXU work and
+        copies, so the schedule overlaps a DMA-bound decode q block and compute-bound prefill
+        q blocks step by step rather than pooled (`step_work`)."""
+        items, _, _ = self._work_list(shape, generation, tiles)
+        return {
+            **self._trips(shape, generation, tiles, items),
+            "step_work": self.step_work(shape, generation, tiles),
+        }
+
+    def _path_runs(self, shape, generation, tiles, items) -> dict:
+        """tiling.path_runs of `items` (the call's work list or part of it)."""
         T = self.mod.tiling
-        items, cfg, rows = self._work_list(shape, generation, tiles)
+        _, cfg, rows = self._work_list(shape, generation, tiles)
         group = shape.q_heads // shape.kv_heads
         narrow = T.narrow_rows(group, rows)
         compact = T.compact_rows(
@@ -509,7 +670,7 @@ class PagedAttention(Adapter):
             narrow,
             token_scales=shape.token_scales,
         )
-        runs = T.path_runs(
+        return T.path_runs(
             items,
             [q for q, _ in shape.seqs],
             block_q=cfg.block_q,
@@ -517,13 +678,83 @@ class PagedAttention(Adapter):
             narrow=narrow,
             compact=compact,
         )
-        loops = self.step_loops(shape, generation, tiles)
+
+    def _trips(self, shape, generation, tiles, items) -> dict:
+        """scheduled_from_work's trip counts of `items` (the call's work list, or one grid
+        step's items)."""
+        loops = self.step_loops(shape, generation, tiles, items)
         return {
-            **paged_trips(runs),
+            **paged_trips(self._path_runs(shape, generation, tiles, items)),
             "work_items": float(len(items)),
             "loop_trips": loops["item"],
             "block_loop_trips": loops["block"],
         }
+
+    def step_work(self, shape, generation, tiles=None) -> dict:
+        """scheduled_from_work's `step_work`: one grid step per q block, from the kernel's work
+        list (each q block's items, in order). "trips": the step's own trip counts as
+        `schedule_trips` counts the call's (`_trips` of its items; the quad path's spreading
+        matrix is written by the first step only), which add up to the call's; "hot": its busy
+        items; "mxu": the MXU FLOPs of its items' paths (tiling.traffic's rule); the bytes it
+        moves (tiling.traffic's, item by item, tiling.page_copy_plan): "reads", its q block and
+        its first item's KV pages (and scales, streamed page-table row), started under the step
+        before (kernel.py: item i + 1's pages are fetched while item i computes, across q
+        blocks), "streams", its other items' pages, fetched under its own items, "writes", its
+        output block. The call's scalar-prefetched tables (and head scales, sinks) arrive
+        before the first step: its reads. The bytes add up to estimate_cost's hbm_bytes."""
+        T = self.mod.tiling
+        items, cfg, rows = self._work_list(shape, generation, tiles)
+        t = T.traffic(**self._traffic_args(shape), generation=generation, config=tiles)
+        group = shape.q_heads // shape.kv_heads
+        narrow = T.narrow_rows(group, rows)
+        hkv, d, page = shape.kv_heads, shape.head_dim, shape.page_size
+        kv_size = np.dtype(shape.cache_dtype).itemsize
+        qo_block = hkv * rows * d * np.dtype(shape.dtype).itemsize
+        tile = T.copy_tile(shape.cache_dtype, hkv, shape.layout == "token_major")
+        kv_lens = [kv for _, kv in shape.seqs]
+
+        def item_bytes(item) -> int:
+            _, seq, first, npages = item
+            pt = 4 * shape.pages_per_seq if t["stream_page_table"] else 0
+            if not npages:
+                return pt
+            _, tokens = T.page_copy_plan(
+                kv_lens[seq], first, npages, page, shape.cache_dtype, tile=tile
+            )
+            scales = 2 * npages * hkv * page * 4 if shape.token_scales else 0
+            return tokens * 2 * hkv * d * kv_size + scales + pt
+
+        per_path = {"whole": rows, "narrow": narrow, "compact": narrow}
+        q_blocks = sorted({it[0] for it in items})
+        steps = {k: [] for k in ("trips", "hot", "mxu", "reads", "streams", "writes")}
+        for b in q_blocks:
+            mine = [it for it in items if it[0] == b]
+            trips = self._trips(shape, generation, tiles, mine)
+            if "spread_matrix" in trips["block_loop_trips"] and b != q_blocks[0]:
+                trips["block_loop_trips"]["spread_matrix"] = 0
+            runs = self._path_runs(shape, generation, tiles, mine)
+            steps["trips"].append(trips)
+            steps["hot"].append(float(sum(runs.values())))
+            steps["mxu"].append(
+                float(
+                    sum(
+                        n * 4 * hkv * per_path[path] * cfg.pages_per_block * page * d
+                        for path, n in runs.items()
+                    )
+                )
+            )
+            copied = [item_bytes(it) for it in mine]
+            steps["reads"].append(float(qo_block + copied[0]))
+            steps["streams"].append(float(sum(copied[1:])))
+            steps["writes"].append(float(qo_block))
+        steps["reads"][0] += float(
+            t["smem_bytes"]
+            + t["sink_bytes"]
+            + t["head_scale_bytes"]
+            + t["write_bytes"]
+            + t["write_slot_bytes"]
+        )
+        return {k: v if k == "trips" else np.asarray(v) for k, v in steps.items()}
 
     def _fn(self, shape, generation, tiles=None):
         kern = self.mod.kernel

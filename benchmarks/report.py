@@ -250,7 +250,7 @@ def measured_markdown(results: dict) -> list[str]:
             spread.setdefault((r["kernel"], r["label"], g), []).append(pg["measured_us"] / sched)
     for (kind, label, g), v in spread.items():
         out.append(f"- {kind}, {label}, {g}: {min(v):.2f}-{max(v):.2f} over {len(v)} shapes")
-    return out + [""] + decode_probe_markdown()
+    return out + [""] + decode_probe_markdown() + training_markdown(results) + tile_sweep_markdown()
 
 
 DECODE_PROBE = RESULTS / "device" / "v5e_decode_probe.json"
@@ -287,6 +287,134 @@ def decode_probe_markdown(path: Path = DECODE_PROBE) -> list[str]:
             f"| {r.get('grid_steps', '')} | {_sig(r['us_per_step']) if 'us_per_step' in r else ''} "
             f"| {_sig(r['gb_per_s']) if 'gb_per_s' in r else ''} |"
         )
+    return out + [""]
+
+
+# The chip runs of benchmarks/training_timing.py, oldest first: a later file's (shape, impl, pass)
+# wins. v5e_train_gated_fit.json re-times the fused gate after its tiles were bounded by the
+# program budget (tiling.program_fits); v5e_train_gmm.json's Mixtral-8x7B gated row is from before.
+TRAINING_FILES = (
+    "v5e_train_flash.json",
+    "v5e_train_flash_rest.json",
+    "v5e_train_gmm.json",
+    "v5e_train_gmm_deepseek.json",
+    "v5e_train_tgmm_deepseek.json",
+    "v5e_train_gated_fit.json",
+)
+_TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
+
+
+def training_markdown(results: dict, files=TRAINING_FILES) -> list[str]:
+    """The training passes timed on the chip (benchmarks/training_timing.py): per shape and pass,
+    ours beside each anchor and ours / the fastest anchor; the flash rows also give each side's
+    backward alone (forward + backward minus its forward, the named row's measured time)."""
+    docs = [
+        json.loads(f.read_text()) for f in (RESULTS / "device" / n for n in files) if f.exists()
+    ]
+    if not docs:
+        return []
+    table = {}
+    for d in docs:
+        for r in d["rows"]:
+            table[(r["kernel"], r["shape"], r["pass"], r["impl"])] = r
+    fwd = {
+        (r["shape"], r["impl"]): pg["measured_us"]
+        for r in results.get("named", {}).get("rows", [])
+        for g, pg in r["per_generation"].items()
+        if r["kernel"] == "flash_attention" and "measured_us" in pg
+    }
+    m = docs[0]["meta"]
+    out = [
+        "### Training passes on the chip",
+        "",
+        f"`benchmarks/training_timing.py` on {m['device_kind']} ({m['generation']}), jax {m['jax']},"
+        f" {m['date']}, timed like the named rows: flash attention forward + backward (`jax.vjp`"
+        " of the op, then the cotangent) against splash attention at 512 blocks with its fused "
+        "backward; the grouped matmul's backward (dlhs: dy @ w[g].T with transposed weights; "
+        "tgmm: the weight gradient) and the gate_up projection with SiLU gating (ours fused; "
+        "megablox's gmm and ours each followed by XLA's silu(gate) * up) against megablox at its "
+        "128- and 512-row tiles, on the pass's own problem (dlhs: K and N swapped). Every "
+        "implementation of a pass computes the same outputs as the first (relative error in the "
+        'JSON files, 0-7e-3 for bf16). "out of memory": the chip\'s 16 GB did not hold the '
+        "case's inputs and outputs (DeepSeek-V3-like's weight gradient is 7.5 GB). Files: "
+        + ", ".join(f"`{n}`" for n in files)
+        + ".",
+        "",
+        "| kernel | shape | pass | ours (us) | splash / megablox 128-row / 512-row (us) "
+        "| ours / fastest anchor | backward alone: ours / splash (us) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({k[:3] for k in table}, key=lambda k: (k[0], k[1], k[2]))
+    for kind, shape, pass_name in keys:
+        if kind == "dense_matmul" or pass_name == "gated_silu":  # fused: on the gmm + XLA row
+            continue
+        got = {
+            i: table.get((kind, shape, pass_name, i), {}).get("measured_us") for i in _TRAIN_IMPLS
+        }
+        errors = {
+            i: "out of memory" if "RESOURCE_EXHAUSTED" in rec["error"] else "fails"
+            for i in _TRAIN_IMPLS
+            for rec in [table.get((kind, shape, pass_name, i), {})]
+            if "error" in rec and got[i] is None
+        }
+        anchors = [got[i] for i in _TRAIN_IMPLS[1:] if got[i] is not None]
+        if pass_name == "gmm_then_xla_silu":  # ours fused is the row to compare
+            ours_v = table.get((kind, shape, "gated_silu", "ours"), {}).get("measured_us")
+            label = "gate_up + SiLU gating"
+        else:
+            ours_v, label = got["ours"], pass_name
+        cells = " / ".join(
+            _sig(got[i]) if got[i] is not None else errors.get(i, "-")
+            for i in _TRAIN_IMPLS[1:]
+            if kind == "flash_attention" or i != "anchor:splash"
+        )
+        ratio = f"{ours_v / min(anchors):.2f}x" if ours_v and anchors else ""
+        bwd = ""
+        if kind == "flash_attention" and all((shape, i) in fwd for i in _TRAIN_IMPLS[:2]):
+            ob, sb = (got[i] - fwd[(shape, i)] for i in _TRAIN_IMPLS[:2])
+            bwd = f"{_sig(ob)} / {_sig(sb)} ({ob / sb:.2f}x)"
+        ours_cell = _sig(got["ours"]) if got["ours"] is not None else "-"
+        if pass_name == "gmm_then_xla_silu":
+            ours_cell = f"{_sig(ours_v)} fused ({ours_cell} gmm + XLA)" if ours_v else ours_cell
+        out.append(f"| {kind} | {shape} | {label} | {ours_cell} | {cells} | {ratio} | {bwd} |")
+    dense = [r for (k, *_), r in table.items() if k == "dense_matmul" and "tflops" in r]
+    if dense:
+        out += [
+            "",
+            "The chip's dense-matmul rate, XLA's own bf16 `jnp.dot` (what an MXU-bound kernel can "
+            "reach here; the nominal peak is 197 TFLOP/s): "
+            + "; ".join(f"{r['shape'][6:]} {_sig(r['tflops'])} TFLOP/s" for r in dense)
+            + ".",
+        ]
+    return out + [""]
+
+
+TILE_SWEEP = RESULTS / "device" / "v5e_gmm_tile_sweep.json"
+
+
+def tile_sweep_markdown(path: Path = TILE_SWEEP) -> list[str]:
+    """Our gmm at other tilings on the chip (benchmarks/gmm_tile_sweep.py), the kernel's own
+    choice marked; empty when the file is absent."""
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    m = doc["meta"]
+    out = [
+        "### Our gmm at other tiles on the chip",
+        "",
+        f"`benchmarks/gmm_tile_sweep.py` on {m['device_kind']} ({m['generation']}), jax {m['jax']},"
+        f" {m['date']}, at the two cells where ours loses by 1% (both shapes ran every tiling "
+        "given; VMEM errors are tilings that do not compile).",
+        "",
+        "| shape | tiles (tm, tk, tn) | measured (us) |",
+        "|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        t = ", ".join(map(str, r["tiles"])) + (
+            " (the kernel's choice)" if r["kernel_choice"] else ""
+        )
+        v = _sig(r["measured_us"]) if "measured_us" in r else r.get("error", "")[:60]
+        out.append(f"| {r['shape']} | {t} | {v} |")
     return out + [""]
 
 

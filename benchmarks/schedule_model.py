@@ -455,21 +455,15 @@ def scheduled_from_work(
     grid_steps: float,
     hbm_bytes: float,
     generation,
-    flops_per_hot_iteration: float | None = None,
-    hot_iterations: float | None = None,
-    side_region_runs: float | None = None,
-    branch_runs: Sequence[float] | None = None,
-    branch_pushes: Sequence[float] | None = None,
-    output_tiles: float | None = None,
-    last_side_runs: float | None = None,
-    loop_trips: Sequence[float | tuple[float, float]] | None = None,
-    work_items: float | None = None,
-    block_loop_trips: Sequence[float | tuple[float, float]] | None = None,
     step_work: dict | None = None,
+    **trips,
 ) -> dict:
     """Scheduled time from the hot loop's cost per unit of MXU work, for kernels whose trip
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
-    `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration.
+    `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration; `trips` the
+    trip-count keywords of `_call_bundles` (flops_per_hot_iteration, hot_iterations,
+    side_region_runs, branch_runs, branch_pushes, output_tiles, last_side_runs, loop_trips,
+    work_items, block_loop_trips; each optional), described below.
 
     The call's MXU work (`mxu_flops`, issued FLOPs from the kernel's closed form, which the tests
     check against the TPU interpreter) is divided into hot-loop iterations of
@@ -538,11 +532,129 @@ def scheduled_from_work(
     was 0.94-1.43 for our gmm and 0.82-1.39 for megablox's 128-row tiles with the pooled rule,
     0.93-1.11 and 0.82-1.07 with this one (benchmarks/results/results.md).
 
+    A kernel whose steps also differ in their code (the paged kernel's q blocks: a decode block
+    of many narrow items, prefill blocks of a few whole-block ones) passes in `step_work` also
+    "trips", one dict per step of this function's trip-count arguments for that step alone
+    (the same keys the call passes, which they add up to; `flops_per_hot_iteration` stays the
+    call's): the step's bundles are charged from them by the rules above, instead of from
+    "hot" / "side". A kernel that copies part of a step's inputs itself, double-buffered under
+    the step's own compute (the paged kernel's KV pages: item i + 1's while item i computes),
+    passes those bytes as "streams": they overlap the step they belong to, where "reads" (its
+    first item's pages, its q block) overlap the step before.
+
     Left out, and said so where used: loop levels between the grid and the hot loop (their own
     per-iteration bundles), and the spread between the side regions (their mean is charged).
     """
     machine = Machine.of(generation)
     clock = machine.clock_hz
+    regions = step_regions(model)
+    unknown = set(trips) - set(TRIP_KEYS)
+    if unknown:
+        raise TypeError(f"scheduled_from_work: unknown trip counts {sorted(unknown)}")
+    trips = {k: trips.get(k) for k in TRIP_KEYS}
+    bundles, iterations, loop_bundles, block = _call_bundles(
+        model, regions, mxu_flops=mxu_flops, grid_steps=grid_steps, **trips
+    )
+    items_in_step = bool(model.get("items_in_step"))
+    block_steps = grid_steps
+    # The call's steps pooled into one (Machine's rule on the totals) plus each step's overhead:
+    # per-step work is not known where the trip counts come from a work list.
+    t_b = bundles / clock
+    t_mxu = machine.work_seconds(0.0, 0.0, mxu_flops)
+    t_c = max(t_b, t_mxu)
+    t_d = machine.work_seconds(0.0, hbm_bytes)
+    t_steps = block_steps * machine.step_overhead_s
+    # XLA's ops around the kernel are reported beside the kernel's time, not in it: their HBM
+    # operands' bytes overcount ops that touch part of an operand (a batch slice of a whole
+    # array), so `with_xla_us` is an upper bound.
+    xla = sum(machine.work_seconds(b, byt) for b, byt in model["xla"])
+    fixed = model["outside_bundles"] / clock
+    pooled = machine.work_seconds(bundles, hbm_bytes, mxu_flops)
+    work = pooled
+    if step_work is not None:
+        per_step = None
+        if "trips" in step_work:  # each step's bundles by its own trip counts
+            given = {k for k, v in trips.items() if v is not None} - {"flops_per_hot_iteration"}
+            mxu = np.asarray(step_work["mxu"], float)
+            per_step = []
+            for mxu_i, t in zip(mxu / mxu.sum() if mxu.sum() > 0 else mxu, step_work["trips"]):
+                if set(t) != given:
+                    raise ValueError(
+                        f"step_work trips: each step needs the call's trip counts ({sorted(given)})"
+                        f", got {sorted(t)}"
+                    )
+                per_step.append(
+                    _call_bundles(
+                        model,
+                        regions,
+                        mxu_flops=mxu_flops * mxu_i,
+                        grid_steps=1.0,
+                        flops_per_hot_iteration=trips["flops_per_hot_iteration"],
+                        **t,
+                    )[0]
+                )
+        work = _overlapped_per_step(model, step_work, t_b, t_mxu, t_d, per_step)
+    total = work + t_steps + fixed
+    return {
+        "scheduled_us": round(total * 1e6, 3),
+        # the call's work pooled into one step (the rule without `step_work`)
+        **({"pooled_work_us": round(pooled * 1e6, 3)} if step_work is not None else {}),
+        "with_xla_us": round((total + xla) * 1e6, 3),
+        "compute_us": round(t_c * 1e6, 3),
+        "bundle_us": round(t_b * 1e6, 3),
+        "mxu_floor_us": round(t_mxu * 1e6, 3),
+        "dma_us": round(t_d * 1e6, 3),
+        "step_overhead_us": round(t_steps * 1e6, 3),
+        "fixed_us": round(fixed * 1e6, 3),
+        "xla_us": round(xla * 1e6, 3),
+        "hot_iterations": round(iterations, 1),
+        # the regions charged by how often they run, not per step (0: none found, or a cached
+        # model without regions, or no count passed)
+        "per_tile_region_bundles": (
+            regions["first"] + regions["last"] if trips["output_tiles"] is not None else 0
+        ),
+        "side_bundles": (
+            regions["sides"]
+            if trips["last_side_runs"] is not None and model.get("hot_is_grid")
+            else []
+        ),
+        "clock_hz": clock,
+        "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
+        # the step's rolled loops, charged by their trips (only where a kernel passes them)
+        **({"loop_bundles": round(loop_bundles)} if trips["loop_trips"] is not None else {}),
+        # the grid steps' code around their item loops (only where a kernel runs one)
+        **({"block_bundles": round(block)} if items_in_step else {}),
+    }
+
+
+def _trip_keys() -> tuple[str, ...]:
+    import inspect
+
+    params = inspect.signature(_call_bundles).parameters.values()
+    return tuple(p.name for p in params if p.default is not inspect.Parameter.empty)
+
+
+def _call_bundles(
+    model: dict,
+    regions: dict,
+    *,
+    mxu_flops: float,
+    grid_steps: float,
+    flops_per_hot_iteration: float | None = None,
+    hot_iterations: float | None = None,
+    side_region_runs: float | None = None,
+    branch_runs: Sequence[float] | None = None,
+    branch_pushes: Sequence[float] | None = None,
+    output_tiles: float | None = None,
+    last_side_runs: float | None = None,
+    loop_trips: Sequence[float | tuple[float, float]] | None = None,
+    work_items: float | None = None,
+    block_loop_trips: Sequence[float | tuple[float, float]] | None = None,
+) -> tuple[float, float, float, float]:
+    """The bundles `scheduled_from_work` charges for its trip counts (the call's, or one grid
+    step's for `step_work`'s "trips"; `regions` is `step_regions(model)`): (bundles, hot
+    iterations, bundles of the step's rolled loops by their trips, the item loop's grid-step
+    code)."""
     paths = model.get("mxu_branches") or []
     for name, per_path in (("branch_runs", branch_runs), ("branch_pushes", branch_pushes)):
         if per_path is not None and len(paths) != len(per_path):
@@ -550,7 +662,6 @@ def scheduled_from_work(
                 f"{name} has {len(per_path)} entries; the schedule has "
                 f"{len(paths)} alternative MXU paths"
             )
-    regions = step_regions(model)
     items_in_step = bool(model.get("items_in_step"))
     if items_in_step != (work_items is not None):
         raise ValueError(
@@ -631,69 +742,38 @@ def scheduled_from_work(
             + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
         )
     bundles += block
-    # The call's steps pooled into one (Machine's rule on the totals) plus each step's overhead:
-    # per-step work is not known where the trip counts come from a work list.
-    t_b = bundles / clock
-    t_mxu = machine.work_seconds(0.0, 0.0, mxu_flops)
-    t_c = max(t_b, t_mxu)
-    t_d = machine.work_seconds(0.0, hbm_bytes)
-    t_steps = block_steps * machine.step_overhead_s
-    # XLA's ops around the kernel are reported beside the kernel's time, not in it: their HBM
-    # operands' bytes overcount ops that touch part of an operand (a batch slice of a whole
-    # array), so `with_xla_us` is an upper bound.
-    xla = sum(machine.work_seconds(b, byt) for b, byt in model["xla"])
-    fixed = model["outside_bundles"] / clock
-    pooled = machine.work_seconds(bundles, hbm_bytes, mxu_flops)
-    work = pooled
-    if step_work is not None:
-        work = _overlapped_per_step(model, step_work, t_b, t_mxu, t_d)
-    total = work + t_steps + fixed
-    return {
-        "scheduled_us": round(total * 1e6, 3),
-        # the call's work pooled into one step (the rule without `step_work`)
-        **({"pooled_work_us": round(pooled * 1e6, 3)} if step_work is not None else {}),
-        "with_xla_us": round((total + xla) * 1e6, 3),
-        "compute_us": round(t_c * 1e6, 3),
-        "bundle_us": round(t_b * 1e6, 3),
-        "mxu_floor_us": round(t_mxu * 1e6, 3),
-        "dma_us": round(t_d * 1e6, 3),
-        "step_overhead_us": round(t_steps * 1e6, 3),
-        "fixed_us": round(fixed * 1e6, 3),
-        "xla_us": round(xla * 1e6, 3),
-        "hot_iterations": round(iterations, 1),
-        # the regions charged by how often they run, not per step (0: none found, or a cached
-        # model without regions, or no count passed)
-        "per_tile_region_bundles": (
-            regions["first"] + regions["last"] if output_tiles is not None else 0
-        ),
-        "side_bundles": (
-            regions["sides"] if last_side_runs is not None and model.get("hot_is_grid") else []
-        ),
-        "clock_hz": clock,
-        "bound": "DMA" if t_d > t_c else ("MXU" if t_mxu >= t_b else "bundles"),
-        # the step's rolled loops, charged by their trips (only where a kernel passes them)
-        **({"loop_bundles": round(loop_bundles)} if loop_trips is not None else {}),
-        # the grid steps' code around their item loops (only where a kernel runs one)
-        **({"block_bundles": round(block)} if items_in_step else {}),
-    }
+    return bundles, iterations, loop_bundles, block
 
 
-def _overlapped_per_step(model: dict, step_work: dict, t_b: float, t_mxu: float, t_d: float):
+def _overlapped_per_step(
+    model: dict,
+    step_work: dict,
+    t_b: float,
+    t_mxu: float,
+    t_d: float,
+    step_bundles: Sequence[float] | None = None,
+):
     """Seconds of `scheduled_from_work`'s `step_work` rule: the pooled bundle time `t_b`, MXU
-    floor `t_mxu` and DMA time `t_d` spread over the grid steps by the steps' own weights, each
-    step's compute overlapped with its neighbours' copies (double buffering)."""
+    floor `t_mxu` and DMA time `t_d` spread over the grid steps by the steps' own weights (the
+    bundles of each step's trips, `step_bundles`, where given), each step's compute overlapped
+    with its neighbours' copies (double buffering) and its own streamed copies."""
     hot = np.asarray(step_work["hot"], float)
     n = hot.shape[0]
     side = np.asarray(step_work.get("side", np.zeros(n)), float)
     arrays = {
         "side": side,
+        "streams": np.asarray(step_work.get("streams", np.zeros(n)), float),
         **{k: np.asarray(step_work[k], float) for k in ("mxu", "reads", "writes")},
     }
+    if step_bundles is not None:
+        arrays["trips"] = np.asarray(step_bundles, float)
     if n == 0 or any(a.shape != (n,) for a in arrays.values()):
         raise ValueError(
             f"step_work: one value per grid step for every key, got {step_work.keys()}"
         )
-    if model.get("hot_is_grid"):
+    if step_bundles is not None:
+        bundles = arrays["trips"]
+    elif model.get("hot_is_grid"):
         bundles = np.where(hot > 0, model["step_bundles"], model["idle_step_bundles"])
     else:
         bundles = (
@@ -703,11 +783,12 @@ def _overlapped_per_step(model: dict, step_work: dict, t_b: float, t_mxu: float,
         )
     share = lambda a: a / a.sum() if a.sum() > 0 else np.full(n, 1.0 / n)  # noqa: E731
     compute = np.maximum(share(bundles) * t_b, share(arrays["mxu"]) * t_mxu)
-    moved = arrays["reads"].sum() + arrays["writes"].sum()
+    moved = arrays["reads"].sum() + arrays["writes"].sum() + arrays["streams"].sum()
     per_byte = t_d / moved if moved > 0 else 0.0
     reads, writes = arrays["reads"] * per_byte, arrays["writes"] * per_byte
-    # step i's compute hides the copies in for step i + 1 and the write-back of step i - 1
-    hidden = np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]]
+    # step i's compute hides the copies in for step i + 1, the write-back of step i - 1 and the
+    # copies it streams itself
+    hidden = np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]] + arrays["streams"] * per_byte
     return float(reads[0] + np.maximum(compute, hidden).sum() + writes[-1])
 
 
@@ -725,3 +806,7 @@ def _charge_loops(loops, trips_per_loop, name: str) -> tuple[float, float]:
         trips, runs = value if isinstance(value, (tuple, list)) else (value, value)
         charged += trips * (own - branches) + runs * branches
     return float(sum(lp[2] for lp in loops)), charged
+
+
+# The trip-count keywords scheduled_from_work takes: _call_bundles' optional parameters.
+TRIP_KEYS = _trip_keys()

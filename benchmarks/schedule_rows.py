@@ -174,25 +174,14 @@ def megablox_step_work(shape, tiling) -> dict:
     """schedule_model.scheduled_from_work's `step_work` of the megablox-scheme gmm (megablox's
     and tokamax's kernels) on its visit list: every step multiplies a whole (tm, tk) x (tk, tn)
     block (rows of other groups are masked after), so the steps' compute is the same; their
-    copies follow the index maps anchors._gmm_walk prices (lhs (m tile, k), rhs (group, k, n),
-    out (m tile, n))."""
+    copies follow the index maps anchors._gmm_walk prices (anchors.gmm_operands)."""
     import numpy as np
 
     import anchors
-    from blockspec_model import Operand, step_copies
+    from blockspec_model import step_copies
 
-    tm, tk, tn = tiling
-    group_ids, m_tile_ids, visits = anchors.gmm_metadata(shape.group_sizes, shape.m, tm)
-    isz = anchors.itemsize(shape.dtype)
-    grid = (-(-shape.n // tn), visits, -(-shape.k // tk))
-    reads, writes = step_copies(
-        grid,
-        [
-            Operand("lhs", tm * tk * isz, lambda n, g, k: (m_tile_ids[g], k)),
-            Operand("rhs", tk * tn * isz, lambda n, g, k: (group_ids[g], k, n)),
-            Operand("out", tm * tn * isz, lambda n, g, k: (m_tile_ids[g], n), is_output=True),
-        ],
-    )
+    metadata = anchors.gmm_metadata(shape.group_sizes, shape.m, tiling[0])
+    reads, writes = step_copies(*anchors.gmm_operands(shape, tiling, metadata))
     ones = np.ones(reads.shape[0])
     return {"hot": ones, "mxu": ones, "reads": reads, "writes": writes}
 
@@ -421,23 +410,26 @@ def schedule_entry(
     per_path = trips and (trips.get("branch_runs") or trips.get("branch_pushes"))
     if per_path and len(s["_model"].get("mxu_branches") or ()) != len(per_path):
         # a cache entry from before the model read the step's MXU paths, or a program whose
-        # step does not split (flash with segment ids runs the edge walk only)
+        # step does not split (flash with segment ids runs the edge walk only: its trips are
+        # hot iterations, ours.FlashAttention.schedule_trips)
         trips = None
     if trips and "loop_trips" in trips:
-        if "step_loops" in s["_model"]:
-            # the kernel's loops by name, put on the compiled step's (and grid step's) loops
-            trips["loop_trips"] = schedule_model.align_loop_trips(
-                s["_model"]["step_loops"], trips["loop_trips"]
-            )
-            if "block_loop_trips" in trips:
-                trips["block_loop_trips"] = schedule_model.align_loop_trips(
-                    s["_model"]["block_loops"], trips["block_loop_trips"]
+        # the call's trips, and each grid step's where the kernel gives them (paged: step_work)
+        for t in [trips, *(trips.get("step_work") or {}).get("trips", ())]:
+            if "step_loops" in s["_model"]:
+                # the kernel's loops by name, put on the compiled step's (and grid step's) loops
+                t["loop_trips"] = schedule_model.align_loop_trips(
+                    s["_model"]["step_loops"], t["loop_trips"]
                 )
-        else:
-            # a cache entry from before the model read the step's rolled loops: each is
-            # charged once per step, as the schedule reads it (schedule_rows.py recompiles it)
-            trips = {k: v for k, v in trips.items() if k != "loop_trips"}
-            out["loops_read_once_per_step"] = True
+                if "block_loop_trips" in t:
+                    t["block_loop_trips"] = schedule_model.align_loop_trips(
+                        s["_model"]["block_loops"], t["block_loop_trips"]
+                    )
+            else:
+                # a cache entry from before the model read the step's rolled loops: each is
+                # charged once per step, as the schedule reads it (schedule_rows.py recompiles it)
+                t.pop("loop_trips")
+                out["loops_read_once_per_step"] = True
     flops = None if trips else hot_iteration_flops(kind, impl, shape, generation, info, cost)
     if (flops or trips) and s["_model"].get("hot_is_grid") is not None:
         t = schedule_model.scheduled_from_work(

@@ -52,9 +52,6 @@ def compile_row(generation: str, impl: str, shape: str):
 def lower_row(generation: str, impl: str, shape: str):
     """The benchmark row (impl, shape) lowered for `generation` (the program `compile_row`
     compiles); returns the Lowered object."""
-    import jax
-
-    import tpu_compile
 
     kind = _kind_of(shape)
     s = _shape(kind, shape)
@@ -66,6 +63,16 @@ def lower_row(generation: str, impl: str, shape: str):
         import registry
 
         fn, avals = registry.anchor(kind, impl).compile_args(s, generation)
+    return _lowered(generation, fn, avals)
+
+
+def _lowered(generation: str, fn, avals):
+    """`fn` lowered for `generation` on the avals [(shape, dtype), ...], with the deviceless
+    chip as the default device (eager ops in `fn` would otherwise land on the host)."""
+    import jax
+
+    import tpu_compile
+
     with jax.default_device(tpu_compile.tpu_device(generation)):
         return tpu_compile.lower_for(generation, fn, *avals)
 
@@ -125,51 +132,76 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def _ragged(shape: str):
+    """(the named ragged shape, our ragged_dot package, its dtype) of a ragged compile target."""
+    import jax.numpy as jnp
+
+    import ours
+
+    s = _shape("ragged_dot", shape)
+    return s, ours.ADAPTERS["ragged_dot"].mod, jnp.dtype(s.dtype)
+
+
 def compile_tgmm_tiles(generation: str, shape: str, tiles=None):
     """Our tgmm (weight gradient: lhs [M, K], dout [M, N] -> [G, K, N]) at the named ragged
     benchmark shape's M / K / N / groups with explicit tiles (tm, tk, tn), or the generation's
     default tiles when None: the tgmm points of the tile-ranking calibration
     (tile_model_calibration.json "tgmm_points") were dumped with it (op-name filter
     ragged_dot_tgmm)."""
-    import jax
     import jax.numpy as jnp
 
-    import ours
-    import tpu_compile
-
-    s = _shape("ragged_dot", shape)
-    mod = ours.ADAPTERS["ragged_dot"].mod
+    s, mod, dt = _ragged(shape)
     t = mod.tiling.TgmmTiling(*tiles) if tiles else None
-    dt = jnp.dtype(s.dtype)
 
     def fn(lhs, dout, gs):
         return mod.kernel.tgmm(lhs, dout, gs, out_dtype=dt, tiling=t, generation=generation)
 
     avals = [((s.m, s.k), dt), ((s.m, s.n), dt), ((s.experts,), jnp.int32)]
-    with jax.default_device(tpu_compile.tpu_device(generation)):
-        return tpu_compile.lower_for(generation, fn, *avals).compile()
+    return _lowered(generation, fn, avals).compile()
 
 
 def compile_dlhs(generation: str, shape: str):
     """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
     with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's
     default tiles (op-name filter ragged_dot_gmm)."""
-    import jax
     import jax.numpy as jnp
 
-    import ours
-    import tpu_compile
-
-    s = _shape("ragged_dot", shape)
-    mod = ours.ADAPTERS["ragged_dot"].mod
-    dt = jnp.dtype(s.dtype)
+    s, mod, dt = _ragged(shape)
 
     def fn(dout, w, gs):
         return mod.kernel.gmm(dout, w, gs, transpose_rhs=True, generation=generation)
 
     avals = [((s.m, s.n), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
-    with jax.default_device(tpu_compile.tpu_device(generation)):
-        return tpu_compile.lower_for(generation, fn, *avals).compile()
+    return _lowered(generation, fn, avals).compile()
+
+
+def compile_xla_dot(generation: str, m: int = 32768, k: int = 14336, n: int = 4096):
+    """XLA's own dense bf16 matmul [m, k] x [k, n] (f32 accumulation, bf16 out), the rate an
+    MXU-bound kernel can reach (training_timing.py times it on the chip); the defaults are
+    Mixtral-8x7B down's dims at 16384 tokens (op-name filter: none, it is XLA's fusion)."""
+    import jax.numpy as jnp
+
+    def fn(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    avals = [((m, k), jnp.bfloat16), ((k, n), jnp.bfloat16)]
+    return _lowered(generation, fn, avals).compile()
+
+
+def compile_gated(generation: str, shape: str, layout: str = "concatenated", tiles=None):
+    """Our gate_up gmm with its SiLU gate fused (`kernel.gmm_gated`, weights [G, K, N] with N =
+    2I) at the named gate_up shape, the generation's default tiles or explicit (tm, tk, tn)
+    (op-name filter ragged_dot_gmm)."""
+    import jax.numpy as jnp
+
+    s, mod, dt = _ragged(shape)
+    t = mod.tiling.GmmTiling(*tiles) if tiles else None
+
+    def fn(x, w, gs):
+        return mod.kernel.gmm_gated(x, w, gs, layout=layout, tiling=t, generation=generation)
+
+    avals = [((s.m, s.k), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
+    return _lowered(generation, fn, avals).compile()
 
 
 def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = False):
@@ -179,11 +211,9 @@ def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = Fa
     keeps dq in VMEM (flash_attention_dkdvq). The backward points of the tile-ranking calibration
     (tile_model_calibration.json "bwd_points") were dumped with it. The VMEM limit is the one
     choose_tiles would grant these tiles."""
-    import jax
     import jax.numpy as jnp
 
     import ours
-    import tpu_compile
 
     s = _shape("flash_attention", shape)
     mod = ours.ADAPTERS["flash_attention"].mod
@@ -217,5 +247,4 @@ def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = Fa
     qs = ((s.batch, s.q_heads, s.seq, s.head_dim), dt)
     kvs = ((s.batch, s.kv_heads, s.seq, s.head_dim), dt)
     lse = ((s.batch, s.q_heads, s.seq), jnp.float32)
-    with jax.default_device(tpu_compile.tpu_device(generation)):
-        return tpu_compile.lower_for(generation, fn, qs, kvs, kvs, qs, lse, qs).compile()
+    return _lowered(generation, fn, [qs, kvs, kvs, qs, lse, qs]).compile()

@@ -222,6 +222,22 @@ def test_device_timing_path_runs(small_section):
         )
 
 
+def _main_on_a_jax_only_machine(module: str, argv: list[str], timeout: int = 380) -> None:
+    """`module.main(argv)` in a fresh process where torch and the `kernels` library cannot be
+    imported, as on the TPU VM the chip runs use (JAX only)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['kernels'] = None\n"
+        f"import {module}\n{module}.main({argv!r})\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(400)
 def test_device_run_needs_no_torch_and_checks_the_kernels(tmp_path):
@@ -229,22 +245,34 @@ def test_device_run_needs_no_torch_and_checks_the_kernels(tmp_path):
     torch and the `kernels` library unimportable, and its compiled-kernel checks pass against the
     f32 references; here in TPU interpret mode on the CPU, the ragged dot only (the chip runs
     all three)."""
-    import subprocess
-    import sys
-
     out = tmp_path / "check.json"
-    code = (
-        "import sys; sys.modules['torch'] = None; sys.modules['kernels'] = None\n"
-        "import device_timing\n"
-        f"device_timing.main(['check', '--kernel', 'ragged_dot', '--generation', 'v5e', "
-        f"'--interpret', '--out', {str(out)!r}])\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["check", "--kernel", "ragged_dot", "--generation", "v5e", "--interpret"]
+    _main_on_a_jax_only_machine("device_timing", args + ["--out", str(out)])
     cases = json.loads(out.read_text())["cases"]
     names = {c["shape"] for c in cases}
     assert {"tgmm", "gmm_int8_weights", "gmm_rows_past_groups"} <= names
     assert all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(400)
+def test_training_passes_compute_the_same_thing_in_every_implementation(tmp_path):
+    """`training_timing.py` (the training passes timed on the chip) in TPU interpret mode on
+    the CPU, torch unimportable as on a TPU VM: each pass's anchors (megablox's dlhs / tgmm /
+    gmm + XLA gating, splash's fused backward) and ours give the same outputs, so the chip's
+    times compare like with like."""
+    out = tmp_path / "train.json"
+    args = ["--interpret", "--kernel", "ragged_dot", "--kernel", "flash_attention"]
+    _main_on_a_jax_only_machine("training_timing", args + ["--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    passes = {(r["impl"], r["pass"]) for r in rows}
+    for impl in ("anchor:megablox_large", "anchor:megablox_tall"):
+        assert {(impl, p) for p in ("dlhs", "tgmm", "gmm_then_xla_silu")} <= passes
+    assert {("ours", "gated_silu"), ("ours", "fwd_bwd"), ("anchor:splash", "fwd_bwd")} <= passes
+    checked = [r for r in rows if "rel_err_vs_first" in r]
+    assert len(checked) == len(rows) - 4  # each pass's first implementation is the reference
+    assert all(r["rel_err_vs_first"] < 2e-2 for r in checked), checked
 
 
 def test_measured_times_sit_beside_the_schedule(tmp_path):
@@ -497,3 +525,258 @@ def test_bwd_dump_points_selects_the_points_loop():
     assert free["loop"] == "mask-free tiles" and free["mxu_occupancy"] == 0.5
     with pytest.raises(ValueError, match="mask-free"):
         bwd_dump_points.select_loop({"loops": schedule["loops"][1:2]}, {"masked": False}, 384)
+
+
+def _paged_named(name):
+    return next(s for s in shapes.NAMED["paged_attention"] if s.name == name)
+
+
+@pytest.mark.parametrize(
+    "shape_name", ["llama3_8b_mixed_63dec_prefill2048", "llama3_8b_decode_b64_ctx8192_int8", "int8"]
+)
+def test_paged_step_work_adds_up_to_the_call(shape_name):
+    """The paged kernel's per-grid-step work (one step per q block, what the schedule overlaps
+    step by step) sums to the call's: each step's trip counts to `schedule_trips`' (paths,
+    items, rolled loops; an int8 batch's spreading matrix once per call, also over several q
+    blocks: "int8", 40 decoding sequences and a 300-token prefill chunk), its MXU FLOPs and its
+    copies (q block, KV pages and per-token scales, output block, the prefetched tables) to the
+    closed form's."""
+    import dataclasses
+
+    import numpy as np
+
+    import ours
+
+    a = ours.ADAPTERS["paged_attention"]
+    if shape_name == "int8":
+        shape = dataclasses.replace(
+            _paged_named("llama3_8b_decode_b64_ctx8192_int8"),
+            name="int8_mixed",
+            seqs=((1, 1000),) * 40 + ((300, 700),),
+        )
+    else:
+        shape = _paged_named(shape_name)
+    for gen in ("v5e", "tpu7x"):
+        trips = a.schedule_trips(shape, gen)
+        steps = trips["step_work"]
+        cost, _ = a.cost(shape, gen)
+        n = cost.grid_steps
+        assert len(steps["trips"]) == n and all(len(steps[k]) == n for k in steps)
+        per = steps["trips"]
+        assert sum(t["work_items"] for t in per) == trips["work_items"] == cost.work_items
+        runs = [t.get("branch_runs", [t.get("hot_iterations")]) for t in per]
+        call_runs = trips.get("branch_runs", [trips.get("hot_iterations")])
+        assert np.sum(runs, axis=0).tolist() == list(call_runs)
+        assert steps["hot"].sum() == sum(call_runs)
+        for level in ("loop_trips", "block_loop_trips"):
+            assert [list(t[level]) for t in per] == [list(trips[level])] * n
+            for name, value in trips[level].items():
+                got = np.sum([t[level][name] for t in per], axis=0)
+                assert np.array_equal(got, value), (level, name, got, value)
+        assert steps["mxu"].sum() == cost.mxu_flops
+        moved = steps["reads"].sum() + steps["streams"].sum() + steps["writes"].sum()
+        assert moved == cost.hbm_bytes
+        assert n > 1 or shape_name != "int8"
+        if shape_name.startswith("llama3_8b_mixed"):
+            # the decode q block first (63 sequences x 8 KV blocks on the narrow path, and the
+            # prefill's first tokens), then the prefill's q blocks, 7 or 8 KV blocks each
+            assert per[0]["branch_runs"][0] == trips["branch_runs"][0] >= 504
+            assert steps["hot"][0] == 511
+            assert set(steps["hot"][1:]) <= {7.0, 8.0}
+
+
+def _per_step_and_pooled(kind, shape, model, align=False):
+    """One of our rows on v5e through the schedule model from `model` (a compile's numbers, no
+    compile): (its step_work, the pooled time, the per-step time, each step timed alone: its
+    bundles, MXU floor and copies). The pooled part of the per-step result is the pooled time,
+    and the steps' bundles add up to the call's. `align`: put the named loop trips on the
+    model's loops (what schedule_rows does for the paged rows)."""
+    import numpy as np
+
+    import ours
+    import schedule_model as M
+    from tpu_generations import GENERATIONS
+
+    gen = GENERATIONS["v5e"]
+    a = ours.ADAPTERS[kind]
+    cost, _ = a.cost(shape, gen.name)
+    trips = a.schedule_trips(shape, gen.name)
+    steps = trips.pop("step_work")
+    if align:
+        for t in [trips, *steps["trips"]]:
+            t["loop_trips"] = M.align_loop_trips(model["step_loops"], t["loop_trips"])
+            t["block_loop_trips"] = M.align_loop_trips(model["block_loops"], t["block_loop_trips"])
+    kw = dict(mxu_flops=cost.mxu_flops, grid_steps=cost.grid_steps, generation=gen)
+    pooled = M.scheduled_from_work(model, hbm_bytes=cost.hbm_bytes, **kw, **trips)
+    t = M.scheduled_from_work(model, hbm_bytes=cost.hbm_bytes, step_work=steps, **kw, **trips)
+    assert t["pooled_work_us"] + t["step_overhead_us"] + t["fixed_us"] == pytest.approx(
+        pooled["scheduled_us"], abs=2e-3
+    )
+    streams = steps.get("streams", np.zeros(len(steps["mxu"])))
+    alone = [
+        M.scheduled_from_work(
+            model, mxu_flops=m, grid_steps=1, hbm_bytes=r + s + w, generation=gen, **tr
+        )
+        for tr, m, r, s, w in zip(
+            steps["trips"], steps["mxu"], steps["reads"], streams, steps["writes"]
+        )
+    ]
+    assert sum(x["bundle_us"] for x in alone) == pytest.approx(pooled["bundle_us"], rel=1e-6)
+    return steps, pooled, t, alone
+
+
+def test_paged_per_step_overlap_charges_the_decode_steps_dma_and_the_prefill_steps_compute():
+    """The mixed batch's decode q block is DMA-bound (63 sequences' pages under little
+    compute) and its prefill q blocks compute-bound: overlapped step by step they cost the
+    decode step's copies plus the prefill steps' bundles, well above the pooled max(compute,
+    DMA) of the call (on a TPU v5e chip the row measured 1.58x the pooled time). Each step is
+    charged its own trips' bundles: the time equals the per-step rule applied to each step
+    timed alone. No compile: a model with the v5e schedule's numbers (paths, rolled loops)."""
+    import numpy as np
+
+    from tpu_generations import GENERATIONS
+
+    model = {  # llama3_8b_mixed_63dec_prefill2048 on v5e, as work_model_inputs read it
+        "items_in_step": True, "hot_is_grid": True, "outside_bundles": 29, "xla": [],
+        "block_bundles": 730, "step_bundles": 24429, "idle_step_bundles": 440, "regions": [],
+        "block_loops": [[295, 345, 50, -1, 0, 0], [24785, 24800, 15, -1, 0, 0]],
+        "mxu_branches": [[1574, 128], [22415, 4096]],
+        "step_loops": [[12, 176, 139, -1, 3, 0], [42, 67, 25, 0, 1, 0],
+                       [225, 229, 4, -1, 1, 0], [287, 423, 136, -1, 0, 0]],
+    }  # fmt: skip
+    gen = GENERATIONS["v5e"]
+    shape = _paged_named("llama3_8b_mixed_63dec_prefill2048")
+    steps, pooled, t, alone = _per_step_and_pooled("paged_attention", shape, model, align=True)
+    compute = np.array([max(x["bundle_us"], x["mxu_floor_us"]) for x in alone])
+    us = lambda b: np.asarray(b) / gen.hbm_bytes_per_s * 1e6  # noqa: E731
+    reads, streams, writes = us(steps["reads"]), us(steps["streams"]), us(steps["writes"])
+    hidden = np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]] + streams
+    assert hidden[0] > 2 * compute[0] and (compute[1:] > hidden[1:]).all()
+    want = reads[0] + np.maximum(compute, hidden).sum() + writes[-1]
+    assert t["scheduled_us"] == pytest.approx(
+        want + t["step_overhead_us"] + t["fixed_us"], rel=1e-4
+    )
+    # the decode step's copies plus the prefill steps' compute: ~1.4x the pooled time
+    assert t["scheduled_us"] > 1.3 * pooled["scheduled_us"]
+
+
+def _flash_named(name):
+    return next(s for s in shapes.NAMED["flash_attention"] if s.name == name)
+
+
+# The v5e schedule models of two of our flash forward rows, as work_model_inputs read them
+# (results/schedule_cache.json): causal (interior path, edge walk) and packed documents (segment
+# ids: the edge walk only, one masked tile per hot-loop iteration).
+_FLASH_V5E_MODELS = {
+    "llama3_8b_causal_8192": {
+        "hot_bundles": 17178, "hot_is_grid": False, "outside_bundles": 36, "xla": [],
+        "mxu_branches": [[17182, 4096], [22835, 4608]], "per_step_overhead_bundles": 12300,
+        "side_region_mean_bundles": 22835.0, "step_bundles": 52313,
+    },
+    "llama3_8b_packed8x1024_8192": {
+        "hot_bundles": 1567, "hot_is_grid": False, "outside_bundles": 52, "xla": [],
+        "mxu_branches": [], "per_step_overhead_bundles": 12256,
+        "side_region_mean_bundles": 0.0, "step_bundles": 13858,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape_name", ["llama3_8b_causal_8192", "llama3_8b_packed8x1024_8192"])
+def test_flash_step_work_adds_up_to_the_call(shape_name):
+    """Our flash forward's per-grid-step work (one step per (batch row, KV head, work item))
+    sums to the call's: each step's trips (interior / edge pushes, or with segment ids hot
+    iterations) to `schedule_trips`', its live tiles, MXU FLOPs and copies to the closed
+    form's; on v5e (tiles 2048 / 256 / 2048 / 256) the copies follow the list by hand."""
+    import numpy as np
+
+    import ours
+
+    a = ours.ADAPTERS["flash_attention"]
+    shape = _flash_named(shape_name)
+    packed = shape.segment_ids() is not None
+    for gen in ("v5e", "tpu7x"):
+        cost, info = a.cost(shape, gen)
+        trips = a.schedule_trips(shape, gen)
+        steps = trips.pop("step_work")
+        n = cost.grid_steps
+        assert len(steps["trips"]) == n and all(len(steps[k]) == n for k in steps)
+        assert list(trips) == (["hot_iterations"] if packed else ["branch_pushes"])
+        for key, value in trips.items():
+            got = np.sum([t[key] for t in steps["trips"]], axis=0)
+            assert np.array_equal(got, value), (key, got, value)
+        assert steps["hot"].sum() == cost.compute_tiles
+        assert steps["mxu"].sum() == cost.mxu_flops
+        assert steps["reads"].sum() + steps["writes"].sum() == cost.hbm_bytes
+        if gen != "v5e":
+            continue
+        assert info["tiling"] == [2048, 256, 2048, 256]
+        qb, kvb, out = 4 * 2048 * 128 * 2, 2048 * 128 * 2, 4 * 2048 * 128 * 2 + 4 * 2048 * 4
+        reads, writes = steps["reads"], steps["writes"]
+        if packed:
+            # each head: the 4 diagonal blocks, 2 documents x 10 causal tiles of 256 each, all
+            # masked; every step copies its q, k, v blocks and both segment-id blocks and
+            # writes its output
+            assert n == 32 and [t["hot_iterations"] for t in steps["trips"]] == [20.0] * 32
+            ids = 2048 * 128 * 4 + 8 * 2048 * 4
+            assert set(reads[1:]) == {qb + 2 * kvb + ids} and set(writes) == {out}
+        else:
+            # each head: q blocks 0..3 against kv blocks 0..q (10 items); the diagonal item
+            # runs 36 tiles of 8 x 8, 8 of them masked, the others 64 mask-free; k / v stay
+            # when consecutive items share the kv block (q block 1's first item)
+            assert n == 80
+            diag = [0, 2, 5, 9]
+            pushes = [[28 * 256, 8 * 256] if i in diag else [64 * 256, 0] for i in range(10)]
+            assert [t["branch_pushes"] for t in steps["trips"]] == pushes * 8
+            head = [qb + 2 * kvb, qb, 2 * kvb, qb + 2 * kvb, 2 * kvb, 2 * kvb]
+            head += [qb + 2 * kvb, 2 * kvb, 2 * kvb, 2 * kvb]
+            assert reads[10:].tolist() == head * 7 and reads[1:10].tolist() == head[1:]
+            assert writes.tolist() == [out if i in diag else 0 for i in range(10)] * 8
+
+
+def test_flash_per_step_overlap_differs_from_pooling():
+    """The causal row on v5e (the model's numbers from its compile, no compile here), step by
+    step: the diagonal steps run the edge walk (more bundles per tile than the interior
+    steps), each step is charged its own trips' bundles and MXU floor, and every step's
+    compute hides the next step's copies, so the time is the steps' compute plus the first
+    step's copies in and the last step's out, above the pooled max(compute, DMA) by those."""
+    import numpy as np
+
+    from tpu_generations import GENERATIONS
+
+    gen = GENERATIONS["v5e"]
+    shape = _flash_named("llama3_8b_causal_8192")
+    model = _FLASH_V5E_MODELS[shape.name]
+    steps, pooled, t, alone = _per_step_and_pooled("flash_attention", shape, model)
+    per_tile = np.array([x["bundle_us"] for x in alone]) / steps["hot"]
+    diag = np.array([i in (0, 2, 5, 9) for i in range(10)] * 8)
+    assert per_tile[diag].min() > 1.05 * per_tile[~diag].max()
+    compute = np.array([max(x["bundle_us"], x["mxu_floor_us"]) for x in alone])
+    us = lambda b: np.asarray(b) / gen.hbm_bytes_per_s * 1e6  # noqa: E731
+    reads, writes = us(steps["reads"]), us(steps["writes"])
+    assert (compute > np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]]).all()
+    exposed = reads[0] + writes[-1]
+    assert exposed > 5.0  # us: a q block and its K / V in, an output block out
+    assert t["scheduled_us"] == pytest.approx(pooled["scheduled_us"] + exposed, abs=0.05)
+
+
+def test_flash_packed_row_charges_a_hot_iteration_per_live_tile(monkeypatch):
+    """With segment ids our flash forward compiles the edge walk only: its hot loop runs one
+    masked tile per iteration (v5e: 256 vmatmul per 1,567-bundle body, the tiling's MXU pushes
+    per tile), so the row's hot iterations are its live tiles (640), not its MXU FLOPs over the
+    interior path's unrolled q tiles (40, which timed the row at 447 us against 1,106 us
+    measured on a TPU v5e chip). schedule_entry on the v5e model, no compile."""
+    import ours
+    import schedule_rows
+
+    gen = "v5e"
+    shape = _flash_named("llama3_8b_packed8x1024_8192")
+    model = _FLASH_V5E_MODELS[shape.name]
+    entry = {"_model": model, "hot": {"bound": "VALU", "bundles": 1567}}
+    monkeypatch.setattr(schedule_rows, "read_schedule", lambda *a, **k: entry)
+    cost, info = ours.ADAPTERS["flash_attention"].cost(shape, gen)
+    assert cost.compute_tiles == 640 and cost.mxu_pushes == 640 * 256
+    out = schedule_rows.schedule_entry("flash_attention", "ours", shape, gen, cost, info)
+    assert out["hot_iterations"] == 640
+    bundles = 32 * 12256 + 640 * 1567
+    assert out["bundle_us"] == pytest.approx(bundles / 1.5e9 * 1e6, abs=1e-3)
+    assert 900 < out["scheduled_us"] < 1000

@@ -696,6 +696,47 @@ def test_gated_cost_saves_the_intermediate_write(layout):
     assert fused.vmem_bytes <= rd.tiling.GENERATIONS["v6e"].vmem_bytes // 2
 
 
+def test_tile_search_keeps_every_window_copy_within_the_program_budget():
+    """The tiles gmm picks for itself can always fit one instruction-memory overlay: the window
+    copies at the narrowest window (128 columns, both weight blocks of the fused gate) within
+    the generation's budget (tiling.program_fits). The fused gate at Mixtral-8x7B on v5e took
+    tm 512 / tk 4096 before: a 68k-bundle kernel cut into overlays, 1.27x the plain gmm plus
+    XLA's gating on a TPU v5e chip (benchmarks/results/device/v5e_train_gmm.json)."""
+    unit = T.row_unit("bfloat16")
+    v5e = T.get_generation("v5e")
+    assert not T.program_fits(v5e, 512, 4096, unit, n_rhs=2)
+    assert T.program_fits(v5e, 512, 4096, unit) and T.program_fits(v5e, 256, 4096, unit, n_rhs=2)
+    mixtral = dict(m=8192, k=4096, n=14336, num_groups=8)
+    checked = 0
+    for gen in ("v5e", "v6e", "tpu7x"):
+        g = T.get_generation(gen)
+        for layout, n_rhs in ((None, 1), ("concatenated", 2), ("interleaved", 1)):
+            for m, k, n, groups in (
+                (mixtral["m"], mixtral["k"], mixtral["n"], mixtral["num_groups"]),
+                (32768, 4096, 14336, 8),  # Mixtral-8x7B gate_up at 16384 tokens
+                (32768, 2048, 768, 128),  # Qwen3-30B-A3B gate_up at 4096 tokens
+                (32768, 7168, 1024, 256),  # DeepSeek-V3-like gate, halved for the gate
+            ):
+                t = T.gmm_tiling(
+                    m, k, n, "bfloat16", "bfloat16", num_groups=groups, generation=gen,
+                    gate_layout=layout,
+                )  # fmt: skip
+                assert T.program_fits(g, t.tm, t.tk, unit, n_rhs), (gen, layout, m, k, n, t)
+                checked += 1
+    assert checked == 36
+    t = T.gmm_tiling(
+        8192, 4096, 14336, "bfloat16", "bfloat16", num_groups=8, generation="v5e",
+        gate_layout="concatenated",
+    )  # fmt: skip
+    assert (t.tm, t.tk) != (512, 4096)
+    # Tiles given by the caller are kept as given, fitting or not.
+    forced = T.gmm_tiling(
+        8192, 4096, 14336, "bfloat16", "bfloat16", num_groups=8, generation="v5e",
+        gate_layout="concatenated", override={"tm": 512, "tk": 4096},
+    )  # fmt: skip
+    assert (forced.tm, forced.tk) == (512, 4096)
+
+
 def test_large_weight_blocks_run_in_column_chunks(monkeypatch):
     """Weight blocks above tiling.MAX_DOT_ELEMENTS are multiplied in column chunks by a loop
     (lowered here to 128 x 128 so that small shapes take that path): gmm both layouts, quantised,

@@ -339,6 +339,18 @@ def window_code_rows(tm: int, unit: int) -> int:
     return row_chunk(tm) + sum(bucket_sizes(tm, unit))
 
 
+def program_fits(gen: TpuGeneration, tm: int, tk: int, unit: int, n_rhs: int = 1) -> bool:
+    """Whether a kernel of row tile `tm` and K block `tk` can fit the program budget at all: its
+    window copies at the narrowest window (128 columns, `n_rhs` weight blocks each) within
+    program_mxu_bundles. A K block too deep for that compiles to a program cut into overlays
+    (window_cols cannot go below 128 columns): the gated gate_up gmm at Mixtral-8x7B (tm 512,
+    tk 4096, two weight blocks) was a 68k-bundle kernel in 4 large overlays on v5e and ran 1.27x
+    the plain gmm plus XLA's activation on the chip (benchmarks/results/device/v5e_train_gmm.json).
+    The tile search skips such (tm, tk) unless they are given."""
+    code_macs = window_code_rows(tm, unit) * n_rhs * tk * 128
+    return code_macs <= program_mxu_bundles(gen) * macs_per_bundle(gen)
+
+
 def window_cols(
     k_rows: int,
     cols: int,
@@ -519,11 +531,13 @@ def gmm_candidate_cost(
     )
 
 
-def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within):
+def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within, n_rhs=1):
     """The (tm, tk, tn) `best_tiles` ranks fastest (tpu_generations.ranked_seconds of
-    `cost_of(tm, tk, tn)`, a KernelCost) among the candidates whose VMEM need fits the budget,
-    ties within `within` to the fewest HBM bytes, then grid steps (`_tie_break`); fields given in
-    `ov` are kept as given. Nothing fits (only possible with an override): the smallest need."""
+    `cost_of(tm, tk, tn)`, a KernelCost) among the candidates whose VMEM need fits the budget
+    and whose program can fit one overlay (`program_fits`, `n_rhs` weight blocks per window;
+    unless tm and tk are both given), ties within `within` to the fewest HBM bytes, then grid
+    steps (`_tie_break`); fields given in `ov` are kept as given. Nothing fits (only possible
+    with an override): the smallest need."""
     budget = vmem_budget_bytes(gen)
     tms = _row_candidates(gen, m, unit, ov.get("tm"))
     tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
@@ -531,6 +545,8 @@ def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within):
     fitting, smallest = [], None
     for tm in tms:
         for tk in tks:
+            if not (ov.get("tm") and ov.get("tk")) and not program_fits(gen, tm, tk, unit, n_rhs):
+                continue
             for tn in tns:
                 cost = cost_of(tm, tk, tn)
                 # The tie-break's keys travel with the tiles (best_tiles hands it the tiles).
@@ -552,7 +568,8 @@ def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised,
             gate_layout=gate_layout,
         )  # fmt: skip
 
-    return _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, RANKING_TOLERANCE)
+    n_rhs = _weight_blocks(128, gate_layout)[0]
+    return _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, RANKING_TOLERANCE, n_rhs)
 
 
 def _tie_break(tiles):

@@ -1,0 +1,64 @@
+"""Our gmm at several (tm, tk, tn) tilings of one named shape, timed on a TPU chip beside the
+tiling the kernel picks itself: does the schedule-ranked choice hold on the chip?
+
+On a TPU VM, from the repository root with tests/, scripts/, torch-ext/ and benchmarks/ on
+PYTHONPATH (as for device_timing.py):
+
+    python benchmarks/gmm_tile_sweep.py --shape mixtral_8x7b_down_t16384 \\
+        --tiles 1024,2048,2048 --tiles 512,14336,512 --out sweep.json
+
+Every tiling is timed like a named row (device_timing.time_call); `--interpret` runs a small
+shape in TPU interpret mode (the plumbing, on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+
+import shapes as shapes_mod
+from device_timing import _device_info, case_record, timed
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", action="append", required=True, help="named ragged_dot shapes")
+    p.add_argument("--tiles", action="append", default=[], help="tm,tk,tn (repeatable)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--interpret", action="store_true", help="small shape, TPU interpret mode")
+    args = p.parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    import ours
+
+    ours.use_jax_only_packages(Path(tempfile.mkdtemp(prefix="ptk-jax-")))
+    adapter = ours.ADAPTERS["ragged_dot"]
+    gen = _device_info()["generation"] or "v5e"
+    named = {s.name: s for s in shapes_mod.NAMED["ragged_dot"]}
+    chosen = [named[s] for s in args.shape]
+    ctx = contextlib.nullcontext()
+    if args.interpret:
+        from jax.experimental.pallas import tpu as pltpu
+
+        chosen = [shapes_mod.RaggedDotShape("sweep_small", 64, 4, 2, 256, 512)]
+        ctx = pltpu.force_tpu_interpret_mode()
+    doc = {"meta": _device_info(), "method": __doc__, "rows": []}
+    with ctx:
+        for shape in chosen:
+            own = adapter.tiles(shape, gen)
+            tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+            for t in tilings:
+                tiles = own if t is None else adapter.mod.tiling.GmmTiling(*t)
+                rec = {"shape": shape.name, "tiles": [tiles.tm, tiles.tk, tiles.tn]}
+                rec["kernel_choice"] = t is None
+                with case_record(doc, rec, args.out, log):
+                    fn, fargs = adapter.call(shape, gen, tiles=tiles)
+                    rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
