@@ -490,11 +490,10 @@ class FlashAttention(Adapter):
         reads[0] += 4 * flat.size + 5 * 4 * len(w["seqs"][0])
         if tables is not None:
             reads[0] += B * (w["Sq"] // bqc + w["Sk"] // bkc) * 2 * 4
-        dp = -(-D // T.NUM_LANES) * T.NUM_LANES
         return {
             "trips": trips,
             "hot": live,
-            "mxu": live * 2 * (2 * G * bqc * bkc * dp),
+            "mxu": live * (cost.mxu_flops / cost.compute_tiles if cost.compute_tiles else 0.0),
             "reads": reads,
             "writes": writes,
         }
@@ -679,12 +678,13 @@ class PagedAttention(Adapter):
             compact=compact,
         )
 
-    def _trips(self, shape, generation, tiles, items) -> dict:
+    def _trips(self, shape, generation, tiles, items, runs=None) -> dict:
         """scheduled_from_work's trip counts of `items` (the call's work list, or one grid
-        step's items)."""
+        step's items; `runs`: their `_path_runs` where the caller has them)."""
         loops = self.step_loops(shape, generation, tiles, items)
+        runs = runs if runs is not None else self._path_runs(shape, generation, tiles, items)
         return {
-            **paged_trips(self._path_runs(shape, generation, tiles, items)),
+            **paged_trips(runs),
             "work_items": float(len(items)),
             "loop_trips": loops["item"],
             "block_loop_trips": loops["block"],
@@ -724,22 +724,25 @@ class PagedAttention(Adapter):
             scales = 2 * npages * hkv * page * 4 if shape.token_scales else 0
             return tokens * 2 * hkv * d * kv_size + scales + pt
 
-        per_path = {"whole": rows, "narrow": narrow, "compact": narrow}
         q_blocks = sorted({it[0] for it in items})
         steps = {k: [] for k in ("trips", "hot", "mxu", "reads", "streams", "writes")}
         for b in q_blocks:
             mine = [it for it in items if it[0] == b]
-            trips = self._trips(shape, generation, tiles, mine)
+            runs = self._path_runs(shape, generation, tiles, mine)
+            trips = self._trips(shape, generation, tiles, mine, runs)
             if "spread_matrix" in trips["block_loop_trips"] and b != q_blocks[0]:
                 trips["block_loop_trips"]["spread_matrix"] = 0
-            runs = self._path_runs(shape, generation, tiles, mine)
             steps["trips"].append(trips)
             steps["hot"].append(float(sum(runs.values())))
             steps["mxu"].append(
                 float(
-                    sum(
-                        n * 4 * hkv * per_path[path] * cfg.pages_per_block * page * d
-                        for path, n in runs.items()
+                    T.runs_mxu_flops(
+                        runs,
+                        num_kv_heads=hkv,
+                        rows=rows,
+                        narrow=narrow,
+                        kv_tokens=cfg.pages_per_block * page,
+                        head_dim=d,
                     )
                 )
             )

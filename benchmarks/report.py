@@ -345,6 +345,7 @@ def training_markdown(results: dict, files=TRAINING_FILES) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     keys = sorted({k[:3] for k in table}, key=lambda k: (k[0], k[1], k[2]))
+    lost = []
     for kind, shape, pass_name in keys:
         if kind == "dense_matmul" or pass_name == "gated_silu":  # fused: on the gmm + XLA row
             continue
@@ -377,6 +378,13 @@ def training_markdown(results: dict, files=TRAINING_FILES) -> list[str]:
         if pass_name == "gmm_then_xla_silu":
             ours_cell = f"{_sig(ours_v)} fused ({ours_cell} gmm + XLA)" if ours_v else ours_cell
         out.append(f"| {kind} | {shape} | {label} | {ours_cell} | {cells} | {ratio} | {bwd} |")
+        if ours_v and anchors and ours_v > min(anchors):
+            lost.append(
+                f"- {kind} {shape}, {label}: {_sig(ours_v)} us against {_sig(min(anchors))} "
+                f"(ours {ours_v / min(anchors):.2f}x)"
+            )
+    if lost:
+        out += ["", "**Where ours loses (measured), against the fastest anchor:**", ""] + lost
     dense = [r for (k, *_), r in table.items() if k == "dense_matmul" and "tflops" in r]
     if dense:
         out += [

@@ -29,6 +29,7 @@ never "measured".
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 
 import numpy as np
@@ -627,13 +628,6 @@ def scheduled_from_work(
     }
 
 
-def _trip_keys() -> tuple[str, ...]:
-    import inspect
-
-    params = inspect.signature(_call_bundles).parameters.values()
-    return tuple(p.name for p in params if p.default is not inspect.Parameter.empty)
-
-
 def _call_bundles(
     model: dict,
     regions: dict,
@@ -766,13 +760,13 @@ def _overlapped_per_step(
         **{k: np.asarray(step_work[k], float) for k in ("mxu", "reads", "writes")},
     }
     if step_bundles is not None:
-        arrays["trips"] = np.asarray(step_bundles, float)
+        arrays["step_bundles"] = np.asarray(step_bundles, float)
     if n == 0 or any(a.shape != (n,) for a in arrays.values()):
         raise ValueError(
             f"step_work: one value per grid step for every key, got {step_work.keys()}"
         )
     if step_bundles is not None:
-        bundles = arrays["trips"]
+        bundles = arrays["step_bundles"]
     elif model.get("hot_is_grid"):
         bundles = np.where(hot > 0, model["step_bundles"], model["idle_step_bundles"])
     else:
@@ -809,4 +803,8 @@ def _charge_loops(loops, trips_per_loop, name: str) -> tuple[float, float]:
 
 
 # The trip-count keywords scheduled_from_work takes: _call_bundles' optional parameters.
-TRIP_KEYS = _trip_keys()
+TRIP_KEYS = tuple(
+    p.name
+    for p in inspect.signature(_call_bundles).parameters.values()
+    if p.default is not inspect.Parameter.empty
+)

@@ -409,9 +409,9 @@ def schedule_entry(
         trips = fn(shape, generation) if fn else None
     per_path = trips and (trips.get("branch_runs") or trips.get("branch_pushes"))
     if per_path and len(s["_model"].get("mxu_branches") or ()) != len(per_path):
-        # a cache entry from before the model read the step's MXU paths, or a program whose
-        # step does not split (flash with segment ids runs the edge walk only: its trips are
-        # hot iterations, ours.FlashAttention.schedule_trips)
+        # a cache entry from before the model read the step's MXU paths (a program whose step
+        # does not split passes no per-path trips: flash with segment ids runs the edge walk
+        # only, its trips are hot iterations, ours.FlashAttention.schedule_trips)
         trips = None
     if trips and "loop_trips" in trips:
         # the call's trips, and each grid step's where the kernel gives them (paged: step_work)

@@ -810,6 +810,16 @@ def vmem_budget_bytes(gen: TpuGeneration) -> int:
     return _generations.vmem_budget_bytes(gen, "paged_attention")
 
 
+def runs_mxu_flops(runs, *, num_kv_heads, rows, narrow, kv_tokens, head_dim) -> int:
+    """Issued MXU FLOPs of the items `path_runs` counts on each path: QK^T and PV over an item's
+    `kv_tokens` for a whole-block item's `rows` per KV head, a narrow or compact item's `narrow`
+    rows."""
+    return sum(
+        n * 2 * 2 * num_kv_heads * (rows if path == "whole" else narrow) * kv_tokens * head_dim
+        for path, n in runs.items()
+    )
+
+
 def traffic(
     *,
     q_lens,
@@ -910,10 +920,13 @@ def traffic(
         kv_dtype, num_kv_heads, variant["token_major"], group, nr, token_scales=token_scales
     )
     runs = path_runs(items, q_lens, block_q=bq, group=group, narrow=nr, compact=compact)
-    # Issued MXU FLOPs: a narrow item's nr rows per KV head, a whole-block item's rows.
-    mxu = sum(
-        n * 2 * 2 * num_kv_heads * (rows if path == "whole" else nr) * ppb * page_size * head_dim
-        for path, n in runs.items()
+    mxu = runs_mxu_flops(
+        runs,
+        num_kv_heads=num_kv_heads,
+        rows=rows,
+        narrow=nr,
+        kv_tokens=ppb * page_size,
+        head_dim=head_dim,
     )
     # What the busy items' compute pushes through each unit (item_units per path) and the vregs
     # their steps' own code moves (step_vregs): the shared ranking model's inputs.
