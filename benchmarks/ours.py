@@ -380,8 +380,8 @@ class FlashAttention(Adapter):
         t = self._tiles(shape, generation, tiles)
         B, Hkv, D = shape.batch, shape.kv_heads, shape.head_dim
         bq, bk = t.block_q, t.block_kv
-        Sq = K._round_up(shape.seq, max(t.block_q, t.block_q_bwd))
-        Sk = K._round_up(shape.seq, max(t.block_kv, t.block_kv_bwd))
+        Sq = K._round_up(shape.seq, t.q_multiple)
+        Sk = K._round_up(shape.seq, t.kv_multiple)
         seqs = K._seq_table_dense(shape.seq, shape.seq)
         band = K.Band.make(shape.causal, *_window_size(shape))
         prob = K._Problem(

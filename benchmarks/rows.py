@@ -432,7 +432,9 @@ def run_section(
     old_rows=None,
     ours_generations=None,
     cache_only: bool = False,
+    shape_names=None,
 ) -> dict:
+    """The rows of `kinds` (every shape of the section, or only `shape_names`)."""
     import ours
 
     table = shapes_mod.SMALL if small else shapes_mod.NAMED
@@ -444,6 +446,8 @@ def run_section(
             missing[kind] = why
             log(f"{kind}: our kernel not available, its rows are left out ({why})")
         for shape in table[kind]:
+            if shape_names and shape.name not in shape_names:
+                continue
             for impl in registry.impls(kind, named=not small):
                 if impl == "ours" and not ok:
                     continue
@@ -476,11 +480,24 @@ def small_section(kinds=registry.KINDS, log=print) -> dict:
     return run_section(True, kinds, log, do_compile=False)
 
 
-def merge_section(old: dict | None, new: dict, kinds) -> dict:
-    """`new` for the kernels just run, `old` rows kept for the others (--kernel runs a subset)."""
-    if not old or set(kinds) == set(registry.KINDS):
+def merge_section(old: dict | None, new: dict, kinds, shape_names=None) -> dict:
+    """`new` for the kernels just run, `old` rows kept for the others (--kernel runs a subset;
+    with `shape_names` only those shapes of `kinds` were run)."""
+    if not old or (set(kinds) == set(registry.KINDS) and not shape_names):
         return new
-    rows = [r for r in old["rows"] if r["kernel"] not in kinds] + new["rows"]
+
+    def key(r):
+        return r["kernel"], r["shape"], r["impl"]
+
+    def replaced(r):
+        return r["kernel"] in kinds and (not shape_names or r["shape"] in shape_names)
+
+    fresh = {key(r): r for r in new["rows"]}
+    if shape_names:  # the shapes' rows replaced where they stood
+        rows = [fresh.pop(key(r), r) for r in old["rows"] if key(r) in fresh or not replaced(r)]
+        rows += list(fresh.values())
+    else:
+        rows = [r for r in old["rows"] if not replaced(r)] + new["rows"]
     rows.sort(key=lambda r: (registry.KINDS.index(r["kernel"]),))
     missing = {k: v for k, v in old.get("missing", {}).items() if k not in kinds}
     missing.update(new["missing"])

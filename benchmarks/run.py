@@ -4,6 +4,8 @@ generation, for our kernels and the JAX anchors on the same shapes.
     python benchmarks/run.py                 # named (real-model) shapes + small shapes; writes
                                              # benchmarks/results/{results.md,results.json,*.png}
     python benchmarks/run.py --small         # recompute only the small-shape section (fast)
+    python benchmarks/run.py --kernel flash_attention --shape flux_dev_joint4608
+                                             # only that shape's named rows, in place
     python benchmarks/run.py --device tpu    # on a TPU VM: also measure times on the chip
     python benchmarks/run.py --no-write      # print the Markdown table only
 
@@ -52,6 +54,12 @@ def main(argv=None):
         help="recompute only the small-shape section (keeps the named section)",
     )
     parser.add_argument("--kernel", action="append", choices=KINDS, help="default: all")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        help="only these named shapes of the kernels (their rows replaced where they stand; the "
+        "small section is kept)",
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "tpu"),
@@ -117,9 +125,10 @@ def main(argv=None):
         )
         device_timing.measure_on_device(results["named"], kinds, log)
     else:
-        results["small"] = rows.merge_section(
-            results.get("small"), rows.run_section(True, kinds, log, False), kinds
-        )
+        if not args.shape:
+            results["small"] = rows.merge_section(
+                results.get("small"), rows.run_section(True, kinds, log, False), kinds
+            )
         if not args.small:
             results["named"] = rows.merge_section(
                 results.get("named"),
@@ -132,8 +141,10 @@ def main(argv=None):
                     (results.get("named") or {}).get("rows"),
                     args.ours_generations,
                     args.cache_only,
+                    args.shape,
                 ),
                 kinds,
+                args.shape,
             )
     log(f"done in {time.time() - t0:.0f}s")
     if args.device != "tpu" and "named" in results:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -144,8 +145,10 @@ def gmm_cases(shape, generation, small=False):
         )
 
 
-def flash_cases(shape, generation, small=False):
-    """(impl, pass, fn, args, tiling) of attention's forward + backward at `shape`."""
+def flash_cases(shape, generation, small=False, tilings=()):
+    """(impl, pass, fn, args, tiling) of attention's forward + backward at `shape`: ours at its
+    own tiles, ours at each of `tilings` ((block_q, block_q_compute, block_kv, block_kv_compute,
+    fused) for both passes, impl "ours@..."), splash."""
     import jax
     import numpy as np
 
@@ -171,20 +174,29 @@ def flash_cases(shape, generation, small=False):
 
         return fn
 
-    def ours_attention(q, k, v):
-        return kernel.flash_attention(
-            q,
-            k,
-            v,
-            causal=shape.causal,
-            window_size=window,
-            softcap=shape.softcap or 0.0,
-            q_segment_ids=rows,
-            kv_segment_ids=rows,
-            generation=generation,
-        )
+    def ours_attention(tiles=None):
+        def attention(q, k, v):
+            return kernel.flash_attention(
+                q,
+                k,
+                v,
+                causal=shape.causal,
+                window_size=window,
+                softcap=shape.softcap or 0.0,
+                q_segment_ids=rows,
+                kv_segment_ids=rows,
+                generation=generation,
+                tiles=tiles,
+            )
 
-    yield "ours", "fwd_bwd", train(ours_attention), (q, k, v, do), None
+        return attention
+
+    yield "ours", "fwd_bwd", train(ours_attention()), (q, k, v, do), None
+    tiling_mod = ours.load("flash_attention").tiling
+    for t in tilings:
+        tiles = tiling_mod.backward_tiles(*t[:4], bool(t[4]))
+        impl = "ours@" + ",".join(map(str, t))
+        yield impl, "fwd_bwd", train(ours_attention(tiles)), (q, k, v, do), list(t)
     block = 128 if small else anchors.SPLASH_BLOCK
     splash, _ = anchors.splash_compile_args(shape, block, backward=True)
     if shape.batch == 1:  # splash takes [H, S, D]: no batch axis
@@ -258,6 +270,13 @@ def main(argv=None):
     p.add_argument("--kernel", action="append", choices=KINDS)
     p.add_argument("--shape", action="append", help="only these shapes")
     p.add_argument("--pass", dest="passes", action="append", help="only these passes")
+    p.add_argument(
+        "--flash-tiles",
+        action="append",
+        default=[],
+        help="block_q,block_q_compute,block_kv,block_kv_compute,fused (0/1): ours at these "
+        "tiles too (repeatable)",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shapes, TPU interpret mode")
     args = p.parse_args(argv)
@@ -275,7 +294,9 @@ def main(argv=None):
         from jax.experimental.pallas import tpu as pltpu
 
         ctx = pltpu.force_tpu_interpret_mode()
-    cases = {"ragged_dot": gmm_cases, "flash_attention": flash_cases}
+    tilings = [tuple(int(v) for v in t.split(",")) for t in args.flash_tiles]
+    cases = {"ragged_dot": gmm_cases}
+    cases["flash_attention"] = functools.partial(flash_cases, tilings=tilings)
     cases["dense_matmul"] = dense_matmul_cases
     first_out = {}  # (shape, what the pass computes): the first implementation's outputs
     with ctx:

@@ -263,6 +263,7 @@ def test_training_passes_compute_the_same_thing_in_every_implementation(tmp_path
     times compare like with like."""
     out = tmp_path / "train.json"
     args = ["--interpret", "--kernel", "ragged_dot", "--kernel", "flash_attention"]
+    args += ["--flash-tiles", "128,128,384,128,1"]  # a three-tile kv block, the fused backward
     _main_on_a_jax_only_machine("training_timing", args + ["--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert not [r for r in rows if "error" in r], rows
@@ -270,9 +271,45 @@ def test_training_passes_compute_the_same_thing_in_every_implementation(tmp_path
     for impl in ("anchor:megablox_large", "anchor:megablox_tall"):
         assert {(impl, p) for p in ("dlhs", "tgmm", "gmm_then_xla_silu")} <= passes
     assert {("ours", "gated_silu"), ("ours", "fwd_bwd"), ("anchor:splash", "fwd_bwd")} <= passes
+    assert ("ours@128,128,384,128,1", "fwd_bwd") in passes
     checked = [r for r in rows if "rel_err_vs_first" in r]
     assert len(checked) == len(rows) - 4  # each pass's first implementation is the reference
     assert all(r["rel_err_vs_first"] < 2e-2 for r in checked), checked
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_device_timing_checks_flash_against_splash_on_the_same_inputs(batch):
+    """The chip run's check of our named flash row against splash on the same inputs (splash
+    takes [H, S, D] without a batch axis at batch 1: the check failed there before, unnoticed,
+    as "anchor_check_error"); in TPU interpret mode at a small shape."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    import device_timing
+    import ours
+    import shapes
+
+    shape = shapes.AttentionShape("check_same_inputs", batch, 2, 1, 512, 128)
+    fn, args = ours.ADAPTERS["flash_attention"].call(shape, "v5e")
+    with pltpu.force_tpu_interpret_mode():
+        err = device_timing._same_inputs_check("flash_attention", shape, "v5e", fn, args)
+    assert err < 2e-2
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(400)
+def test_tile_sweep_times_flash_at_given_tiles(tmp_path):
+    """`tile_sweep.py --kernel flash_attention` (torch unimportable, TPU interpret mode): the
+    kernel's own tiles and each given tiling are timed, a three-tile block included."""
+    out = tmp_path / "sweep.json"
+    args = ["--kernel", "flash_attention", "--shape", "flux_dev_joint4608", "--interpret"]
+    args += ["--tiles", "384,128,384,128", "--out", str(out)]
+    _main_on_a_jax_only_machine("tile_sweep", args)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel_choice"] for r in rows] == [True, False]
+    assert rows[1]["tiles"] == [384, 128, 384, 128]
+    assert all(r["measured_us"] > 0 for r in rows), rows
 
 
 def test_measured_times_sit_beside_the_schedule(tmp_path):

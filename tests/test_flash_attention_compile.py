@@ -32,13 +32,19 @@ SHAPES = {
     "mqa_32x1": dict(Hq=32, Hkv=1, S=4096, D=128, causal=True, window=(-1, -1), softcap=0.0),
     # head dim 256, soft cap 50, sliding window 4096 (as Transformers passes it: (4095, 4095))
     "gemma2": dict(Hq=16, Hkv=8, S=8192, D=256, causal=True, window=(4095, 4095), softcap=50.0),
+    # Flux-dev joint attention: 4608 tokens, which no power-of-two block divides (fitted blocks)
+    "flux_dev": dict(Hq=24, Hkv=24, S=4608, D=128, causal=False, window=(-1, -1), softcap=0.0),
+    # Gemma-like heads at 3072 tokens: a kv block of all 3072 keys over 2 x 1024 stacked rows
+    "gqa_d256_3072": dict(Hq=16, Hkv=8, S=3072, D=256, causal=True, window=(-1, -1), softcap=0.0),
 }
 
 
-def _compile(gen, shape, direction):
+def _compile(gen, shape, direction, tiles=None):
+    """The forward or backward at SHAPES[shape] for `gen`, with the tiles choose_tiles picks
+    (or `tiles`)."""
     s = SHAPES[shape]
     Hq, Hkv, S, D = s["Hq"], s["Hkv"], s["S"], s["D"]
-    tiles = T.choose_tiles(
+    tiles = tiles or T.choose_tiles(
         q_len=S,
         kv_len=S,
         num_q_heads=Hq,
@@ -241,3 +247,37 @@ def test_compiles_fused_backward(gen):
         ((1, Hq, S), jnp.float32),
         q,
     )
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_compiles_kv_blocks_fitted_past_2048_keys(gen):
+    """Gemma-like heads at 3072 tokens: choose_tiles takes a kv block of all 3072 keys
+    (fitted_blocks, no XLA pad) over 2 x 1024 stacked query rows; on v5e that overflowed the
+    VMEM limit the budget model set when it counted one score tile's temporaries (24.1 MB
+    against 23.6)."""
+    _, tiles = _compile(gen, "gqa_d256_3072", "fwd")
+    assert max(tiles.block_kv, tiles.block_kv_bwd) > 2048, tiles
+    assert 3072 % tiles.q_multiple == 0 and 3072 % tiles.kv_multiple == 0, tiles
+
+
+def test_explicit_tiles_get_vmem_limits():
+    """Tiles(...) given by hand carry no VMEM limits; the kernel sets them from the budget model
+    as choose_tiles does. On a TPU v5e chip these blocks (1536 x 4608 at Flux-dev, 512-key
+    compute tiles, the fused backward) failed to compile without them (Mosaic's default scoped
+    limit); both passes compile here for v5e."""
+    tiles = T.Tiles(
+        1536,
+        4608,
+        512,
+        1536,
+        4608,
+        block_q_compute=512,
+        block_q_compute_bwd=512,
+        block_kv_compute_bwd=512,
+        fused_bwd=True,
+    )
+    assert tiles.vmem_limit_bytes is None and tiles.vmem_limit_bytes_bwd is None
+    limited = T.with_vmem_limits(tiles, 1, 128, jnp.bfloat16, "v5e", False, 4608)
+    assert limited.vmem_limit_bytes_bwd > T.GENERATIONS["v5e"].scoped_vmem_default_bytes
+    for direction in ("fwd", "bwd"):
+        _compile("v5e", "flux_dev", direction, tiles)

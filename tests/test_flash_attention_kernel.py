@@ -601,8 +601,69 @@ def test_choose_tiles_fits_vmem(gen):
         )
         is override
     )
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="block_q must be a positive multiple of 8"):
         T.Tiles(block_q=100)
+    with pytest.raises(ValueError, match="block_q of 96 is its own compute tile"):
+        T.Tiles(block_q=96)
+    with pytest.raises(ValueError, match="block_q_compute must be a power of two"):
+        T.Tiles(block_q=96, block_q_compute=48)
+    with pytest.raises(ValueError, match="multiple of block_q_compute"):
+        T.Tiles(block_q=96, block_q_compute=64)
+    t = T.Tiles(96, 96, 32, 64, 32, block_q_compute=32)  # blocks of whole compute tiles
+    assert (t.q_multiple, t.kv_multiple) == (192, 96)  # every pass's block divides the padding
+
+
+# Blocks of three compute tiles (not powers of two), and backward blocks of other sizes: the
+# padded lengths are multiples of both passes' blocks (lcm), the walks take three-tile blocks.
+THREE = T.Tiles(
+    block_q=48,
+    block_kv=48,
+    block_kv_compute=16,
+    block_q_bwd=48,
+    block_kv_bwd=48,
+    block_q_compute=16,
+    block_q_compute_bwd=16,
+    block_kv_compute_bwd=16,
+)
+
+
+@pytest.mark.parametrize(
+    "Sq, Sk, causal, window, tiles",
+    [
+        (96, 96, False, (-1, -1), THREE),
+        (100, 70, True, (-1, -1), dataclasses.replace(THREE, fused_bwd=True)),
+        (96, 96, True, (20, 3), THREE),
+        (130, 130, True, (-1, -1), dataclasses.replace(THREE, block_q_bwd=32, block_kv_bwd=32)),
+    ],
+)
+def test_blocks_that_are_not_powers_of_two(Sq, Sk, causal, window, tiles):
+    """A DMA block of three compute tiles (1536 tokens at Flux-dev's 4608, where power-of-two
+    blocks pad the inputs by an XLA copy): forward, both backwards and the lse exact against
+    the f32 reference, padding included (100 and 70 tokens; 130 padded to lcm(48, 32) = 96)."""
+    _check_dense(
+        *_dense_case(1, 4, 2, Sq, Sk, 64, jnp.float32, causal, window, 0.0, True, False),
+        tiles=tiles,
+    )
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+def test_choose_tiles_fits_blocks_to_lengths_no_power_of_two_divides(gen):
+    """At 4608 tokens (Flux-dev) every power-of-two block of 1024 or more pads q, k and v to
+    6144 by an XLA copy; the tiles picked divide 4608 in both passes, so nothing is padded,
+    with no more grid steps than the 2048 blocks; a power-of-two length keeps power-of-two
+    blocks."""
+    assert T.fitted_blocks(4608, 512) == [1536]
+    assert T.fitted_blocks(4608, 256, T.FITTED_MAX_KV) == [4608, 2304, 1536, 768]
+    assert T.fitted_blocks(8192, 512, T.FITTED_MAX_KV) == []  # powers of two already fit
+    kw = dict(num_q_heads=24, num_kv_heads=24, head_dim=128, dtype=jnp.bfloat16, generation=gen)
+    t = T.choose_tiles(q_len=4608, kv_len=4608, causal=False, **kw)
+    assert 4608 % t.q_multiple == 0 and 4608 % t.kv_multiple == 0, t
+    assert T.pad_copy_rows(4608, t.q_multiple) == 0
+    assert T.pad_copy_rows(4608, 2048) == 4608 + 6144
+    assert -(-4608 // t.block_q) * -(-4608 // t.block_kv) <= 9
+    t = T.choose_tiles(q_len=8192, kv_len=8192, causal=True, **kw)
+    for b in (t.block_q, t.block_kv, t.block_q_bwd, t.block_kv_bwd):
+        assert b & (b - 1) == 0, t
 
 
 # -------------------------------------------------------------------------------------------------
@@ -637,6 +698,19 @@ def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
         _check_dense(
             *_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True, False),
             tiles=tiles,
+            interpret=_tpu_params(),
+        )
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tpu_interpret_blocks_that_are_not_powers_of_two():
+    """Three-tile blocks (fitted_blocks) race-free and NaN-safe in TPU interpret mode, the
+    fused backward included, with the lengths padded to them."""
+    with tpu_interpreter.race_checked():
+        _check_dense(
+            *_dense_case(1, 2, 1, 90, 90, 64, jnp.float32, True, (-1, -1), 0.0, False, False),
+            tiles=dataclasses.replace(THREE, fused_bwd=True),
             interpret=_tpu_params(),
         )
 

@@ -695,7 +695,10 @@ DQ_UNROLL = 2
 
 
 def _fwd_unroll(n_slices):
-    return min(FWD_UNROLL, n_slices)
+    """FWD_UNROLL, or the largest power of two within a block of fewer kv slices (`_visit`
+    groups by shifts; a 1536-key block has three 512-key slices)."""
+    n = min(FWD_UNROLL, n_slices)
+    return 1 << (n.bit_length() - 1)
 
 
 def _cost_estimates(prob: _Problem, seqs, tiles, itemsize_dtype, pass_, segments, has_sinks=False):
@@ -1327,9 +1330,10 @@ def _prepare(
             total_kv=Sk,
             segments=q_segment_ids is not None,
         )
-    bq = max(tiles.block_q, tiles.block_q_bwd)
-    bk = max(tiles.block_kv, tiles.block_kv_bwd)
-    Sq_p, Sk_p = _round_up(Sq, bq), _round_up(Sk, bk)
+    Sq_p, Sk_p = _round_up(Sq, tiles.q_multiple), _round_up(Sk, tiles.kv_multiple)
+    tiles = _tiling.with_vmem_limits(
+        tiles, G, D, q.dtype, generation, q_segment_ids is not None, Sq_p
+    )
     q5 = _pad_axis(q4, 2, Sq_p).reshape(B, Hkv, G, Sq_p, D)
     k4 = _pad_axis(k4, 2, Sk_p)
     v4 = _pad_axis(v4, 2, Sk_p)

@@ -16,16 +16,22 @@ pass: dk/dv, dq or fused; masked edge tiles pay their compares), overlapped with
 the per-step overhead. Candidates within RANKING_TOLERANCE (forward) / BWD_RANKING_TOLERANCE
 (backward) of the fastest count as equal and the larger DMA blocks win among them. The two-pass
 backward's cost sums both passes' unit counts, so its bundles are max over the summed units: a
-lower bound where one pass is MXU-bound and the other vector-bound (dk/dv and dq on v6e). Blocks run up to the next power of two of the
-length (never refused for being longer than the sequence), and the ranking is the kernel's own
-time, so a longer sequence never gets faster tiles than a shorter one could
-(tests/test_shared_contract.py). `Tiles(...)` overrides the choice.
+lower bound where one pass is MXU-bound and the other vector-bound (dk/dv and dq on v6e).
+Power-of-two blocks run up to the next power of two of the length (never refused for being
+longer than the sequence), and the ranking is the kernel's own time, so a longer sequence never
+gets faster tiles than a shorter one could (tests/test_shared_contract.py). A length that no
+large power-of-two block divides (Flux-dev's 4608 tokens) also gets blocks of whole compute
+tiles fitted to it (`fitted_blocks`: 3 x 1536, 1 x 4608): the kernel pads its inputs to a
+multiple of every pass's blocks by an XLA copy around the kernel, which the ranking leaves out,
+so among candidates it cannot tell apart the fewest padded rows win. `Tiles(...)` overrides the
+choice (the VMEM limits it leaves None are set from the budget model: `with_vmem_limits`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Optional
 
@@ -86,12 +92,15 @@ class Tiles:
     fused_bwd: bool = False
 
     def __post_init__(self):
+        # Compute tiles are powers of two (the kernels find a tile from a position by a shift and
+        # a row's place in its tile by a mask); a DMA block is any multiple of its compute tile,
+        # so a length like 4608 = 3 x 1536 needs no padding copy (`fitted_blocks`).
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            v = getattr(self, name)
+            if v < 8 or v % 8:
+                raise ValueError(f"Tiles.{name} must be a positive multiple of 8, got {v}")
         for name in (
-            "block_q",
-            "block_kv",
             "block_kv_compute",
-            "block_q_bwd",
-            "block_kv_bwd",
             "block_q_compute",
             "block_q_compute_bwd",
             "block_kv_compute_bwd",
@@ -101,6 +110,16 @@ class Tiles:
                 continue
             if v < 8 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 8, got {v}")
+        for name, v in (
+            ("block_q", self.q_compute),
+            ("block_q_bwd", self.q_compute_bwd),
+            ("block_kv_bwd", self.kv_compute_bwd),
+        ):
+            if v & (v - 1):
+                raise ValueError(
+                    f"Tiles.{name} of {v} is its own compute tile and must then be a power of two; "
+                    "give its compute tile explicitly"
+                )
         if self.block_kv % self.block_kv_compute:
             raise ValueError("Tiles.block_kv must be a multiple of block_kv_compute")
         if self.block_q % self.q_compute:
@@ -121,6 +140,16 @@ class Tiles:
     @property
     def kv_compute_bwd(self) -> int:
         return self.block_kv_compute_bwd or self.block_kv_bwd
+
+    @property
+    def q_multiple(self) -> int:
+        """The query length is padded to a multiple of this: every pass's q block divides it."""
+        return math.lcm(self.block_q, self.block_q_bwd)
+
+    @property
+    def kv_multiple(self) -> int:
+        """The key length is padded to a multiple of this: every pass's kv block divides it."""
+        return math.lcm(self.block_kv, self.block_kv_bwd)
         # Lengths are padded to the larger of the forward and backward tiles: both must divide it.
 
 
@@ -150,8 +179,12 @@ def vmem_need_fwd(
     need += 2 * _r(groups, NUM_SUBLANES) * _r(block_q, NUM_LANES) * 4  # lse
     need += 2 * rows * NUM_LANES * 4 + rows * dp * 4  # m, l, acc scratch
     rows_c = groups * (block_q_compute or block_q)
-    need += rows_c * block_kv_compute * (3 * 4 + itemsize)  # s, exp, mask temporaries, p cast
-    need += 3 * rows_c * dp * 4  # the compute tile's q, acc and p @ v values
+    # One score tile's temporaries live at a time, or two past 2048 keys: Mosaic kept a second
+    # tile's live in a longer straight-line group (v5e, d=256, 2 x 1024 stacked rows x 3072 keys
+    # took 24.1 MB where one tile's count gave 17.3 MB and the limit 23.6).
+    live_tiles = 2 if block_kv > POW2_BLOCKS[0] else 1
+    need += live_tiles * rows_c * block_kv_compute * (3 * 4 + itemsize)  # s, exp, mask, p cast
+    need += live_tiles * 3 * rows_c * dp * 4  # the compute tile's q, acc and p @ v values
     if segments:
         need += 2 * block_q * NUM_LANES * 4 + 2 * NUM_SUBLANES * block_kv * 4
     return need
@@ -186,6 +219,44 @@ def vmem_need_bwd(
         return dkdv + groups * fused_q_len * dp * (4 + 2 * itemsize) + rows_c * dp * 4
     dq = ins + 2 * rows * dp * itemsize + rows * dp * 4 + 2 * rows * NUM_LANES * 4 + temps
     return max(dkdv, dq)
+
+
+def with_vmem_limits(tiles: Tiles, groups, head_dim, dtype, generation, segments, padded_q_len):
+    """`tiles` with the VMEM limits it lacks set from the budget model's need, as choose_tiles
+    sets them: an explicit Tiles(...) leaves them None, and Mosaic's default scoped limit
+    (16 MiB on v5e) does not hold large blocks (1536 x 4608 at Flux-dev did not compile there
+    without it). `padded_q_len`: the fused backward's resident dq rows."""
+    if tiles.vmem_limit_bytes is not None and tiles.vmem_limit_bytes_bwd is not None:
+        return tiles
+    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    isz = _itemsize(dtype)
+    fields = {}
+    if tiles.vmem_limit_bytes is None:
+        need = vmem_need_fwd(
+            groups,
+            head_dim,
+            isz,
+            tiles.block_q,
+            tiles.block_kv,
+            tiles.block_kv_compute,
+            segments,
+            tiles.q_compute,
+        )
+        fields["vmem_limit_bytes"] = vmem_limit_bytes(gen, need)
+    if tiles.vmem_limit_bytes_bwd is None:
+        need = vmem_need_bwd(
+            groups,
+            head_dim,
+            isz,
+            tiles.block_q_bwd,
+            tiles.block_kv_bwd,
+            segments,
+            tiles.q_compute_bwd,
+            tiles.kv_compute_bwd,
+            padded_q_len if tiles.fused_bwd else None,
+        )
+        fields["vmem_limit_bytes_bwd"] = vmem_limit_bytes(gen, need)
+    return dataclasses.replace(tiles, **fields)
 
 
 def vmem_budget_bytes(gen: TpuGeneration) -> int:
@@ -241,7 +312,7 @@ def interior_q_compute(generation, tiles: Tiles, groups, head_dim, itemsize, seg
         segments,
     )
     while (
-        2 * bqc <= tiles.block_q
+        tiles.block_q % (2 * bqc) == 0
         and groups * 2 * bqc <= INTERIOR_MAX_ROWS
         and need(block_q_compute=2 * bqc) <= usable
     ):
@@ -260,24 +331,71 @@ def _next_pow2(x: int) -> int:
     return 1 << (int(x) - 1).bit_length()
 
 
-def _candidates(q_len, kv_len, groups, gen):
-    """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward."""
+# Blocks that are not powers of two are tried from FITTED_MIN tokens up to the largest
+# power-of-two block for queries and up to FITTED_MAX_KV for keys, each a whole number of
+# compute tiles (`fitted_blocks`). Keys go further because an item runs all the kv slices of its
+# block per q tile with the running statistics held as values, loading and storing them once:
+# on a TPU v5e chip Flux-dev's 4608 tokens ran 1605-1634 us at 1536 x 4608 blocks, 1746-1850 at
+# 1536 x 1536 and 2171 at the power-of-two 2048 x 2048 that pads them to 6144, while a 4608-query
+# block ran 1979 (benchmarks/results/device/v5e_flash_tile_sweep*.json). Only as far as that was
+# seen to compile: kv blocks past 2048 keys with at most MAX_ROWS stacked query rows and at most
+# 4608 keys. Longer ones overflowed the VMEM limit the budget model sets on the chip (Wan-like
+# 2048 x 8192, Llama-3-8B's 4 x 2048 stacked rows x 4096; the model counts one score tile's
+# temporaries, not a long straight-line group's), though 2048 x 4096 ran 6% faster at Wan-like.
+FITTED_MIN = 512
+FITTED_MAX_KV = 4608
+POW2_BLOCKS = (2048, 1024, 512, 256, 128)
+
+
+def fitted_blocks(length: int, tile: int, largest: int = POW2_BLOCKS[0]) -> list[int]:
+    """Blocks of whole `tile`s up to `largest`, not powers of two, that cut `length` (rounded
+    up to a whole tile) into n equal blocks, n <= 16: 4608 tokens are 3 x 1536 or 1 x 4608,
+    where every power-of-two block of 1024 or more pads them to 6144, and the padding is an XLA
+    copy of q, k and v (and a slice of the output) around the kernel. A length no such block
+    fits gets none (its power-of-two blocks pad no more)."""
+    whole = _r(length, tile)
+    out = set()
+    for n in range(1, 17):
+        b = whole // n
+        if whole % n == 0 and b % tile == 0 and FITTED_MIN <= b <= largest and b & (b - 1):
+            out.add(b)
+    return sorted(out, reverse=True)
+
+
+def _candidates(q_len, kv_len, groups, gen, total_q=None, total_kv=None):
+    """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward: power-of-two
+    blocks, then the blocks fitted to the padded totals (`total_q` / `total_kv`, the arrays the
+    kernel pads; default the lengths)."""
     # Blocks up to the next power of two of each length: a block larger than the sequence only
     # pads it, and a longer sequence must never see candidates a shorter one was refused (the
     # choice would not be monotone in length).
     cap_q = _next_pow2(max(128, q_len))
     cap_k = _next_pow2(max(128, kv_len))
     compute_kv = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
-    for bq in (2048, 1024, 512, 256, 128):
+    q_computes = [c for c in (512, 256, 128) if groups * c <= MAX_ROWS or c == 128]
+    for bq in POW2_BLOCKS:
         if bq > cap_q and bq > 128:
             continue
-        for bqc in sorted({min(bq, c) for c in (128, 256, 512)}, reverse=True):
-            if groups * bqc > MAX_ROWS and bqc > 128:
-                continue
-            for bk in (2048, 1024, 512, 256, 128):
+        for bqc in sorted({min(bq, c) for c in q_computes}, reverse=True):
+            for bk in POW2_BLOCKS:
                 if bk > cap_k and bk > 128:
                     continue
                 yield bq, bqc, bk, min(bk, compute_kv)
+    pow2_q = [(b, c) for b in POW2_BLOCKS if b <= cap_q for c in q_computes if c <= b]
+    pow2_k = [b for b in POW2_BLOCKS if b <= cap_k and b >= compute_kv]
+    fit_q = [(b, c) for c in q_computes for b in fitted_blocks(total_q or q_len, c)]
+    fit_k = fitted_blocks(total_kv or kv_len, compute_kv, FITTED_MAX_KV)
+    for (bq, bqc), bk in [(q, k) for q in fit_q for k in pow2_k + fit_k] + [
+        (q, k) for q in pow2_q for k in fit_k
+    ]:
+        if bk <= POW2_BLOCKS[0] or groups * bq <= MAX_ROWS:
+            yield bq, bqc, bk, compute_kv
+
+
+def pad_copy_rows(total: int, multiple: int) -> int:
+    """Rows an XLA pad of `total` rows to a multiple of `multiple` reads and writes (the whole
+    array is copied, however few rows it adds; 0 when nothing is padded)."""
+    return 0 if total % multiple == 0 else total + _r(total, multiple)
 
 
 def backward_tiles(bq: int, bqc: int, bk: int, bkc: int, fused: bool, **fields) -> Tiles:
@@ -337,22 +455,25 @@ def choose_tiles(
         window_size=window_size,
     )
 
+    total_q, total_kv = total_q or q_len, total_kv or kv_len
+    candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv))
+
     def forward():
-        for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
+        for bq, bqc, bk, bkc in candidates:
             # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
             nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
             if nf > budget:
                 continue
-            t = Tiles(bq, bk, bkc, bq, bk, block_q_compute=bqc)
+            t = backward_tiles(bq, bqc, bk, bkc, False)  # (its backward fields unused)
             c = estimate_cost(tiles=t, pass_="fwd", generation=gen, segments=segments, **cost_kw)
             yield (bq, bqc, bk, bkc, nf), c
 
-    def backward():
+    def backward(fwd_q, fwd_kv):
         # the same candidates as (block_q_bwd, its compute tile, block_kv_bwd, ...), as two
         # passes or fused (dq resident in VMEM: the padded sequence must fit)
-        for bq, bqc, bk, bkc in _candidates(q_len, kv_len, groups, gen):
+        for bq, bqc, bk, bkc in candidates:
             for fused in (False, True):
-                seq_q = _r(total_q or q_len, bq) if fused else None
+                seq_q = _r(total_q, math.lcm(bq, fwd_q)) if fused else None
                 nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
                 if nb > budget:
                     continue
@@ -360,16 +481,39 @@ def choose_tiles(
                 c = estimate_cost(tiles=t, pass_="bwd", generation=gen, **cost_kw)
                 yield (bq, bqc, bk, bkc, nb, fused), c
 
+    def padding(q_multiple, kv_multiple, q_arrays, kv_arrays):
+        """The XLA pad copies' rows x heads around a pass (q-side arrays of Hq heads, K/V-side
+        of Hkv): the kernel's ranking leaves them out (a longer sequence must not get faster
+        tiles than a shorter one), the tie-break below does not."""
+        return (
+            pad_copy_rows(total_q, q_multiple) * q_arrays * num_q_heads
+            + pad_copy_rows(total_kv, kv_multiple) * kv_arrays * num_kv_heads
+        )
+
     # Times the model cannot tell apart (within its stated error on each pass's dumps): the
-    # larger DMA blocks, then the faster by the model, then the earlier candidate (larger compute
-    # tile first; two passes before fused), so the choice is deterministic.
+    # fewest rows copied by XLA pads (the forward pads q and k/v and slices the output; the
+    # backward pads q, o, do and k/v and slices dq, dk, dv, to blocks that divide both passes'),
+    # then the larger DMA blocks, then the faster by the model, then the earlier candidate (larger
+    # compute tile first; two passes before fused), so the choice is deterministic.
     best_f = best_tiles(
-        forward(), gen, tie_break=lambda k: (-k[0] * k[2],), within=RANKING_TOLERANCE
+        forward(),
+        gen,
+        tie_break=lambda k: (padding(k[0], k[2], 2, 2), -k[0] * k[2]),
+        within=RANKING_TOLERANCE,
     )
-    best_b = best_tiles(
-        backward(), gen, tie_break=lambda k: (-k[0] * k[2],), within=BWD_RANKING_TOLERANCE
-    )
-    if best_f is None or best_b is None:
+    best_b = None
+    if best_f is not None:
+        fq, fk = best_f[0][0], best_f[0][2]
+        best_b = best_tiles(
+            backward(fq, fk),
+            gen,
+            tie_break=lambda k: (
+                padding(math.lcm(k[0], fq), math.lcm(k[2], fk), 4, 4),
+                -k[0] * k[2],
+            ),
+            within=BWD_RANKING_TOLERANCE,
+        )
+    if best_b is None:
         raise ValueError(
             f"no flash-attention tiles fit {gen.name} VMEM for {num_q_heads // num_kv_heads} query "
             f"heads per KV head at head_dim {head_dim}; pass Tiles(...) explicitly"
@@ -662,9 +806,7 @@ def estimate_cost(
     G = num_q_heads // num_kv_heads
     B, Hkv, D = batch, num_kv_heads, head_dim
     dp = _r(D, NUM_LANES)
-    bq_pad = max(tiles.block_q, tiles.block_q_bwd)
-    bk_pad = max(tiles.block_kv, tiles.block_kv_bwd)
-    Sq, Sk = _r(q_len, bq_pad), _r(kv_len, bk_pad)
+    Sq, Sk = _r(q_len, tiles.q_multiple), _r(kv_len, tiles.kv_multiple)
     varlen = cu_seqlens_q is not None
     if varlen:
         cq = np.asarray(cu_seqlens_q, np.int64)
