@@ -312,6 +312,45 @@ def test_tile_sweep_times_flash_at_given_tiles(tmp_path):
     assert all(r["measured_us"] > 0 for r in rows), rows
 
 
+def test_run_shape_replaces_only_that_shapes_rows_in_place():
+    """`run.py --kernel K --shape NAME` (rows.merge_section with shape_names): the shape's rows
+    replace the old ones where they stood; other shapes and kernels keep theirs; a row the new
+    run adds goes after its kernel's rows."""
+    import rows
+
+    def row(kind, shape, impl, v):
+        return {"kernel": kind, "shape": shape, "impl": impl, "v": v}
+
+    old = {
+        "rows": [
+            row("ragged_dot", "a", "ours", 0),
+            row("flash_attention", "x", "ours", 0),
+            row("flash_attention", "y", "anchor:splash", 0),
+            row("flash_attention", "y", "ours", 0),
+            row("flash_attention", "z", "ours", 0),
+        ],
+        "missing": {},
+    }
+    new = {
+        "rows": [
+            row("flash_attention", "y", "anchor:splash", 1),
+            row("flash_attention", "y", "ours", 1),
+            row("flash_attention", "y", "anchor:new", 1),
+        ],
+        "missing": {},
+        "generations": ["v5e"],
+    }
+    got = rows.merge_section(old, new, ["flash_attention"], ["y"])["rows"]
+    assert [(r["shape"], r["impl"], r["v"]) for r in got] == [
+        ("a", "ours", 0),
+        ("x", "ours", 0),
+        ("y", "anchor:splash", 1),
+        ("y", "ours", 1),
+        ("z", "ours", 0),
+        ("y", "anchor:new", 1),
+    ]
+
+
 def test_measured_times_sit_beside_the_schedule(tmp_path):
     """`device_timing.apply_measured` puts a chip's times on the named rows they time (and no
     other), and results.md's measured section shows measured / scheduled for each."""

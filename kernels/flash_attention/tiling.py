@@ -150,7 +150,6 @@ class Tiles:
     def kv_multiple(self) -> int:
         """The key length is padded to a multiple of this: every pass's kv block divides it."""
         return math.lcm(self.block_kv, self.block_kv_bwd)
-        # Lengths are padded to the larger of the forward and backward tiles: both must divide it.
 
 
 def _itemsize(dtype) -> int:
@@ -339,9 +338,10 @@ def _next_pow2(x: int) -> int:
 # 1536 x 1536 and 2171 at the power-of-two 2048 x 2048 that pads them to 6144, while a 4608-query
 # block ran 1979 (benchmarks/results/device/v5e_flash_tile_sweep*.json). Only as far as that was
 # seen to compile: kv blocks past 2048 keys with at most MAX_ROWS stacked query rows and at most
-# 4608 keys. Longer ones overflowed the VMEM limit the budget model sets on the chip (Wan-like
-# 2048 x 8192, Llama-3-8B's 4 x 2048 stacked rows x 4096; the model counts one score tile's
-# temporaries, not a long straight-line group's), though 2048 x 4096 ran 6% faster at Wan-like.
+# 4608 keys. Longer ones overflowed the VMEM limit the budget model set on the chip (Wan-like
+# 2048 x 8192, Llama-3-8B's 4 x 2048 stacked rows x 4096, when it counted one score tile's
+# temporaries; `vmem_need_fwd` now counts two past 2048 keys), though 2048 x 4096 ran 6% faster
+# at Wan-like: power-of-two kv blocks past 2048 are an open tile-policy question.
 FITTED_MIN = 512
 FITTED_MAX_KV = 4608
 POW2_BLOCKS = (2048, 1024, 512, 256, 128)
