@@ -155,7 +155,8 @@ def flash_cases(shape, generation, small=False, tilings=()):
     import anchors
     import ours
 
-    kernel = ours.load("flash_attention").kernel
+    package = ours.load("flash_attention")
+    kernel = package.kernel
     ids = shape.segment_ids()
     rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
     window = (-1, -1) if shape.window is None else (shape.window - 1, 0)
@@ -192,9 +193,8 @@ def flash_cases(shape, generation, small=False, tilings=()):
         return attention
 
     yield "ours", "fwd_bwd", train(ours_attention()), (q, k, v, do), None
-    tiling_mod = ours.load("flash_attention").tiling
     for t in tilings:
-        tiles = tiling_mod.backward_tiles(*t[:4], bool(t[4]))
+        tiles = package.tiling.backward_tiles(*t[:4], bool(t[4]))
         impl = "ours@" + ",".join(map(str, t))
         yield impl, "fwd_bwd", train(ours_attention(tiles)), (q, k, v, do), list(t)
     block = 128 if small else anchors.SPLASH_BLOCK

@@ -468,7 +468,7 @@ def choose_tiles(
             c = estimate_cost(tiles=t, pass_="fwd", generation=gen, segments=segments, **cost_kw)
             yield (bq, bqc, bk, bkc, nf), c
 
-    def backward(fwd_q, fwd_kv):
+    def backward(fwd_q):
         # the same candidates as (block_q_bwd, its compute tile, block_kv_bwd, ...), as two
         # passes or fused (dq resident in VMEM: the padded sequence must fit)
         for bq, bqc, bk, bkc in candidates:
@@ -505,7 +505,7 @@ def choose_tiles(
     if best_f is not None:
         fq, fk = best_f[0][0], best_f[0][2]
         best_b = best_tiles(
-            backward(fq, fk),
+            backward(fq),
             gen,
             tie_break=lambda k: (
                 padding(math.lcm(k[0], fq), math.lcm(k[2], fk), 4, 4),
