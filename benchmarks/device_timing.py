@@ -514,6 +514,9 @@ MEASURED_FILES = (
     "v5e_paged.json",
     "v5e_paged_ours.json",
     "v5e_flash_flux.json",
+    "v5e_ragged_ours_step_overlap.json",
+    "v5e_flash_wan_long_kv.json",
+    "v5e_flash_checked.json",
 )
 
 

@@ -172,7 +172,7 @@ class RaggedDot(Adapter):
         chunks: it runs `chunks` times per tail, so each tail counts `chunks` region runs (the
         region's few bundles around that loop are then counted `chunks` times: a slight
         overcount)."""
-        t = self.tiles(shape, generation)
+        t = tiles or self.tiles(shape, generation)
         return gmm_trips(
             self.mod,
             shape.group_sizes,
@@ -213,44 +213,24 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
         "side_region_runs": float(tail.sum() * nt * kt * chunks),
     }
     if per_step:
-        rc = T.row_chunk(t.tm)
-        trips["step_work"] = _gmm_step_work(
-            wl, compute, tail, buckets, rc, t, nt, kt, chunks, dtype
-        )
+        trips["step_work"] = _gmm_step_work(wl, t, k, n, chunks, dtype, mod)
     return trips
 
 
-def _gmm_step_work(wl, compute, tail, buckets, rc, t, nt, kt, chunks, dtype) -> dict:
-    """Per grid step (N tile, item, K tile) of our gmm: its hot-loop iterations (full windows),
-    tail windows, MXU rows and the bytes its BlockSpecs copy (kernel.py's index maps: lhs
-    (TILE, k), rhs (GROUP, k, n), out (OUT, n); items without MXU work stay on the last K
-    block)."""
-    from blockspec_model import Operand, step_copies
-
-    L = wl["FLAGS"].shape[0]
+def _gmm_step_work(wl, t, k, n, chunks, dtype, mod) -> dict:
+    """Per grid step (N tile, item, K tile) of our gmm: its hot-loop iterations (full windows,
+    one per column chunk), tail windows, MXU rows and the bytes its BlockSpecs copy: the
+    kernel's own `tiling.gmm_step_work` (the tile ranking reads it too; its copies are checked
+    against the generic BlockSpec model, blockspec_model.step_copies, in test_benchmarks)."""
+    T = mod.tiling
     isz = np.dtype(dtype).itemsize
-    rows = np.where(compute, wl["NFULL"] * rc, 0) + np.where(
-        tail, np.asarray(buckets)[np.maximum(wl["BUCKET"], 0)], 0
-    )
-
-    def k_of(j, kb):
-        return np.where(wl["KFIX"][j] != 0, kt - 1, kb)
-
-    reads, writes = step_copies(
-        (nt, L, kt),
-        [
-            Operand("lhs", t.tm * t.tk * isz, lambda nb, j, kb: (wl["TILE"][j], k_of(j, kb))),
-            Operand("rhs", t.tk * t.tn * isz, lambda nb, j, kb: (wl["GROUP"][j], k_of(j, kb), nb)),
-            Operand("out", t.tm * t.tn * isz, lambda nb, j, kb: (wl["OUT"][j], nb), True),
-        ],
-    )
-    per_item = lambda a: np.tile(np.repeat(a, kt), nt).astype(float)  # noqa: E731
+    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, T.row_unit(dtype), isz, isz, isz)
     return {
-        "hot": per_item(np.where(compute, wl["NFULL"], 0) * chunks),
-        "side": per_item(tail * chunks),
-        "mxu": per_item(rows),
-        "reads": reads,
-        "writes": writes,
+        "hot": w["full"] * chunks,
+        "side": w["tail"] * chunks,
+        "mxu": w["rows"],
+        "reads": w["reads"],
+        "writes": w["writes"],
     }
 
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llo_schedule import Loop, Schedule
+from tpu_generations import overlapped_step_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -779,11 +780,14 @@ def _overlapped_per_step(
     compute = np.maximum(share(bundles) * t_b, share(arrays["mxu"]) * t_mxu)
     moved = arrays["reads"].sum() + arrays["writes"].sum() + arrays["streams"].sum()
     per_byte = t_d / moved if moved > 0 else 0.0
-    reads, writes = arrays["reads"] * per_byte, arrays["writes"] * per_byte
     # step i's compute hides the copies in for step i + 1, the write-back of step i - 1 and the
-    # copies it streams itself
-    hidden = np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]] + arrays["streams"] * per_byte
-    return float(reads[0] + np.maximum(compute, hidden).sum() + writes[-1])
+    # copies it streams itself (the tile ranking's rule, tpu_generations)
+    return overlapped_step_seconds(
+        compute,
+        arrays["reads"] * per_byte,
+        arrays["writes"] * per_byte,
+        arrays["streams"] * per_byte,
+    )
 
 
 def _charge_loops(loops, trips_per_loop, name: str) -> tuple[float, float]:

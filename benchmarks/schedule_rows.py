@@ -274,6 +274,69 @@ def prune_cache(path: Path = CACHE) -> tuple[int, int]:
     return before, len(_load_cache(path))
 
 
+def compiled_summary(kind: str, impl: str, target: str, args: dict, generation: str) -> dict:
+    """Compile `target` (module:function of schedule_targets, called with `args`) deviceless
+    for `generation` with the LLO dump on and summarise it as a cache entry: the Mosaic
+    kernel's bundles, grid step and hot loop, the XLA ops around it, the compiled scoped VMEM,
+    and the inputs scheduled_from_work needs (`_model`); {"error": ...} when it does not
+    compile."""
+    full = f"ours:{kind}" if impl == "ours" else impl
+    t0 = time.time()
+    import tempfile
+
+    hlo = Path(tempfile.mkdtemp(prefix="hlo-")) / "program.hlo"
+    try:
+        scheds = llo_schedule.dump_schedule(target, generation, args, name=None, hlo_out=str(hlo))
+    except Exception as e:  # a row that does not compile is a result, not a crash
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return {
+            "error": next(
+                (ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
+                lines[-1] if lines else type(e).__name__,
+            ).strip()[:240]
+        }
+    mosaic = [s for s in scheds if s.is_mosaic]
+    xla = [s for s in scheds if not s.is_mosaic]
+    want = schedule_targets.KERNEL_NAMES.get(full)
+    named = [s for s in mosaic if want and want in s.name] or mosaic
+    kernel = max(named, key=lambda s: len(s.bundles))
+    grid, hot = kernel.grid_loop(), kernel.hot_loop()
+    entry = {
+        "kernel": kernel.name,
+        "bundles": len(kernel.bundles),
+        "grid_step_bundles": grid.bundles if grid else None,
+        "hot": (
+            {
+                "depth": hot.depth,
+                "is_grid_loop": hot is grid,
+                **kernel.loop_segment(hot, own=True).as_dict(),
+            }
+            if hot
+            else None
+        ),
+        "other_mosaic_kernels": [s.name for s in mosaic if s is not kernel],
+        "xla_ops": len(xla),
+        "xla_bundles": sum(len(s.bundles) for s in xla),
+        "xla_hbm_operand_bytes": sum(s.hbm_operand_bytes for s in xla),
+        "compile_seconds": round(time.time() - t0, 1),
+    }
+    if hlo.exists():
+        import rows
+
+        entry["vmem_bytes"] = rows.compiled_vmem_bytes(hlo.read_text())
+        hlo.unlink()
+    # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
+    # when the closed forms change without compiling again.
+    ours_kind = kind if impl == "ours" else None
+    entry["_model"] = schedule_model.work_model_inputs(
+        kernel,
+        xla,
+        nested_paths=ours_kind in schedule_model.NESTED_PATHS,
+        item_loop=ours_kind in schedule_model.ITEM_LOOPS,
+    )
+    return entry
+
+
 def read_schedule(
     kind: str,
     impl: str,
@@ -311,60 +374,7 @@ def read_schedule(
         return None
     full = f"ours:{kind}" if impl == "ours" else impl
     target, args, _ = schedule_targets.resolve(full, shape_name)
-    t0 = time.time()
-    import tempfile
-
-    hlo = Path(tempfile.mkdtemp(prefix="hlo-")) / "program.hlo"
-    try:
-        scheds = llo_schedule.dump_schedule(target, generation, args, name=None, hlo_out=str(hlo))
-    except Exception as e:  # a row that does not compile is a result, not a crash
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        entry = {
-            "error": next(
-                (ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "rror" in ln),
-                lines[-1] if lines else type(e).__name__,
-            ).strip()[:240]
-        }
-    else:
-        mosaic = [s for s in scheds if s.is_mosaic]
-        xla = [s for s in scheds if not s.is_mosaic]
-        want = schedule_targets.KERNEL_NAMES.get(full)
-        named = [s for s in mosaic if want and want in s.name] or mosaic
-        kernel = max(named, key=lambda s: len(s.bundles))
-        grid, hot = kernel.grid_loop(), kernel.hot_loop()
-        entry = {
-            "kernel": kernel.name,
-            "bundles": len(kernel.bundles),
-            "grid_step_bundles": grid.bundles if grid else None,
-            "hot": (
-                {
-                    "depth": hot.depth,
-                    "is_grid_loop": hot is grid,
-                    **kernel.loop_segment(hot, own=True).as_dict(),
-                }
-                if hot
-                else None
-            ),
-            "other_mosaic_kernels": [s.name for s in mosaic if s is not kernel],
-            "xla_ops": len(xla),
-            "xla_bundles": sum(len(s.bundles) for s in xla),
-            "xla_hbm_operand_bytes": sum(s.hbm_operand_bytes for s in xla),
-            "compile_seconds": round(time.time() - t0, 1),
-        }
-        if hlo.exists():
-            import rows
-
-            entry["vmem_bytes"] = rows.compiled_vmem_bytes(hlo.read_text())
-            hlo.unlink()
-        # What scheduled_from_work needs of the schedule, so a cached entry can be re-timed
-        # when the closed forms change without compiling again.
-        ours_kind = kind if impl == "ours" else None
-        entry["_model"] = schedule_model.work_model_inputs(
-            kernel,
-            xla,
-            nested_paths=ours_kind in schedule_model.NESTED_PATHS,
-            item_loop=ours_kind in schedule_model.ITEM_LOOPS,
-        )
+    entry = compiled_summary(kind, impl, target, args, generation)
     entry["_program"] = program
     # A compile that ran out of time says nothing about the program: not cached. Nor does a
     # refresh that failed replace a compiled entry the cache holds for the row.
@@ -389,10 +399,13 @@ def schedule_entry(
     info: dict,
     use_cache: bool = True,
     cache_only: bool = False,
+    summary: dict | None = None,
+    tiles=None,
 ) -> dict | None:
     """The `scheduled` entry of a row's generation: compiled-schedule figures and, where the
-    implementation's hot-loop work is known, its scheduled time."""
-    s = read_schedule(kind, impl, shape.name, generation, use_cache, cache_only)
+    implementation's hot-loop work is known, its scheduled time. `summary` and `tiles`: the
+    `compiled_summary` of the row at other tiles than its own, and those tiles (ours)."""
+    s = summary or read_schedule(kind, impl, shape.name, generation, use_cache, cache_only)
     if s is None:
         return None
     if "error" in s:
@@ -406,7 +419,7 @@ def schedule_entry(
         import ours
 
         fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)
-        trips = fn(shape, generation) if fn else None
+        trips = fn(shape, generation, tiles) if fn else None
     per_path = trips and (trips.get("branch_runs") or trips.get("branch_pushes"))
     if per_path and len(s["_model"].get("mxu_branches") or ()) != len(per_path):
         # a cache entry from before the model read the step's MXU paths (a program whose step

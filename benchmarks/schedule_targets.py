@@ -160,6 +160,22 @@ def compile_tgmm_tiles(generation: str, shape: str, tiles=None):
     return _lowered(generation, fn, avals).compile()
 
 
+def compile_gmm_tiles(generation: str, shape: str, tiles=None):
+    """Our gmm forward, the named ragged row's program, at explicit tiles (tm, tk, tn) (the
+    generation's own when None): what `tile_sweep.py` times on a chip, compiled deviceless so
+    its schedule can be read beside the chip's time (op-name filter ragged_dot_gmm)."""
+    import jax.numpy as jnp
+
+    s, mod, dt = _ragged(shape)
+    t = mod.tiling.GmmTiling(*tiles) if tiles else None
+
+    def fn(lhs, rhs, gs):
+        return mod.kernel.gmm(lhs, rhs, gs, out_dtype=dt, tiling=t, generation=generation)
+
+    avals = [((s.m, s.k), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
+    return _lowered(generation, fn, avals).compile()
+
+
 def compile_dlhs(generation: str, shape: str):
     """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
     with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's

@@ -8,9 +8,14 @@ PYTHONPATH (as for device_timing.py):
         --tiles 1024,2048,2048 --tiles 512,14336,512 --out sweep.json
     python benchmarks/tile_sweep.py --kernel flash_attention --shape flux_dev_joint4608 \\
         --tiles 2048,512,2048,256 --out sweep.json
+    python benchmarks/tile_sweep.py --shape qwen3_30b_a3b_down_t16384 \\
+        --shape mixtral_8x7b_down_t16384 --vary tm=512,2048 --out sweep.json
 
 Tiles: tm,tk,tn for the gmm; block_q,block_q_compute,block_kv,block_kv_compute for the flash
-forward (the named row's op, its XLA pads around the kernel included). Every tiling is timed
+forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
+the gmm's tilings from the compiled schedule instead (no chip). `--vary FIELD=V1,V2`
+times, per shape, the kernel's own tiling with that one field changed (FIELDS names them), so
+one sweep covers shapes whose own tilings differ. Every tiling is timed
 like a named row (device_timing.time_call); `--interpret` runs a small shape in TPU interpret
 mode (the plumbing, on a CPU).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +35,13 @@ from device_timing import _device_info, case_record, timed
 SMALL = {
     "ragged_dot": shapes_mod.RaggedDotShape("sweep_small", 64, 4, 2, 256, 512),
     "flash_attention": shapes_mod.AttentionShape("sweep_small", 1, 2, 1, 384, 128, causal=False),
+}
+
+
+# The fields of a tiling on the command line, in order.
+FIELDS = {
+    "ragged_dot": ("tm", "tk", "tn"),
+    "flash_attention": ("block_q", "block_q_compute", "block_kv", "block_kv_compute"),
 }
 
 
@@ -47,14 +60,81 @@ def _fields(kind, tiles):
     return [tiles.block_q, tiles.q_compute, tiles.block_kv, tiles.block_kv_compute]
 
 
+def _variants(own: list, names, vary: list) -> list:
+    """The own tiling's fields with one field set to each value `--vary FIELD=V1,V2` gives
+    (values equal to the own one left out: the kernel's choice is timed anyway)."""
+    out = []
+    for spec in vary:
+        name, _, values = spec.partition("=")
+        if name not in names or not values:
+            raise SystemExit(
+                f"--vary: expected FIELD=V1,V2 with FIELD one of {names}, got {spec!r}"
+            )
+        i = names.index(name)
+        for v in (int(x) for x in values.split(",")):
+            if v != own[i]:
+                out.append(tuple(own[:i] + [v] + own[i + 1 :]))
+    return out
+
+
+def _scheduled(args) -> dict:
+    """`--scheduled GEN`: the sweep's tilings read from the compiled schedule instead of a chip
+    (`schedule_rows.compiled_summary` of `schedule_targets.compile_gmm_tiles`, timed by
+    `schedule_rows.schedule_entry` with the tiling's own work list and per-step copies): does
+    the schedule order the tilings as the chip does?"""
+    if args.kernel != "ragged_dot":
+        raise SystemExit("--scheduled: the gmm only (schedule_targets.compile_gmm_tiles)")
+    import ours
+    import schedule_rows
+
+    adapter, gen = ours.ADAPTERS[args.kernel], args.scheduled  # (no chip: any packages)
+    named = {s.name: s for s in shapes_mod.NAMED[args.kernel]}
+    doc = {"meta": {"generation": gen, "scheduled": True}, "kernel": args.kernel, "rows": []}
+    for shape in (named[s] for s in args.shape):
+        own = adapter.tiles(shape, gen)
+        tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+        tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
+        for t in tilings:
+            tiles = own if t is None else _tiles(adapter, args.kernel, t)
+            fields = _fields(args.kernel, tiles)
+            rec = {"shape": shape.name, "tiles": fields, "kernel_choice": t is None}
+            target = "schedule_targets:compile_gmm_tiles"
+            summary = schedule_rows.compiled_summary(
+                args.kernel, "ours", target, {"shape": shape.name, "tiles": fields}, gen
+            )
+            if "error" in summary:
+                rec["error"] = summary["error"]
+            else:
+                cost, info = adapter.cost(shape, gen, tiles)
+                e = schedule_rows.schedule_entry(
+                    args.kernel, "ours", shape, gen, cost, info, summary=summary, tiles=tiles
+                )
+                rec.update(scheduled_us=e["scheduled_us"], bound=e["bound"])
+            print(json.dumps(rec), flush=True)
+            doc["rows"].append(rec)
+            args.out.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--kernel", default="ragged_dot", choices=sorted(SMALL))
     p.add_argument("--shape", action="append", required=True, help="named shapes of the kernel")
     p.add_argument("--tiles", action="append", default=[], help="comma-separated (repeatable)")
+    p.add_argument(
+        "--vary", action="append", default=[], help="FIELD=V1,V2: the own tiling, one field changed"
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shape, TPU interpret mode")
+    p.add_argument(
+        "--scheduled",
+        metavar="GENERATION",
+        help="no chip: each tiling's scheduled time for GENERATION (deviceless compile and LLO "
+        "dump, benchmarks/schedule_model.py; the gmm only)",
+    )
     args = p.parse_args(argv)
+    if args.scheduled:
+        return _scheduled(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     import ours
@@ -76,6 +156,7 @@ def main(argv=None):
             pick = adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles
             own = pick(shape, gen)
             tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+            tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
             for t in tilings:
                 tiles = own if t is None else _tiles(adapter, args.kernel, t)
                 rec = {"shape": shape.name, "tiles": _fields(args.kernel, tiles)}

@@ -5,9 +5,11 @@ is the report of results.json: tests/test_llo_schedule.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +83,69 @@ def test_gmm_step_work_adds_up_to_the_call(shape_name):
         assert steps["side"].sum() == trips["side_region_runs"]
         assert steps["reads"].sum() + steps["writes"].sum() == cost.hbm_bytes
         assert (steps["mxu"] > 0).sum() == (steps["hot"] + steps["side"] > 0).sum()
+
+
+@pytest.mark.parametrize("layout", [None, "concatenated", "interleaved"])
+def test_gmm_step_work_copies_what_the_blockspecs_copy(layout):
+    """The kernel's per-step copies (tiling.gmm_step_work: the tile ranking's step profile and
+    the benchmarks' per-step schedule) are what the generic BlockSpec model copies for the
+    kernel's index maps over the same work list, step by step: several K and N tiles, items
+    without MXU work (rows past sum(group_sizes)), groups of whole and partial tiles."""
+    import kernel_loader
+
+    T = kernel_loader.load_kernel("ragged_dot").tiling
+    m, k, n, tm, tk, tn, unit = 1000, 768, 1024, 128, 256, 256, T.row_unit("bfloat16")
+    gs = np.asarray([300, 0, 128, 17, 400], np.int32)  # 845 rows: 155 past the groups
+    wl = T._fields(
+        T.work_list(gs, m=m, tm=tm, buckets=T.bucket_sizes(tm, unit), unit=unit, kind="gmm")
+    )
+    w = T.gmm_step_work(wl, k, n, tm, tk, tn, unit, 2, 1, 4, layout)
+    L, kt, nt = wl["FLAGS"].shape[0], k // tk, n // tn
+    n_rhs, cols = T._weight_blocks(tn, layout)
+    k_of = lambda j, kb: np.where(wl["KFIX"][j] != 0, kt - 1, kb)  # noqa: E731
+    reads, writes = blockspec_model.step_copies(
+        (nt, L, kt),
+        [
+            blockspec_model.Operand(
+                "lhs", tm * tk * 2, lambda nb, j, kb: (wl["TILE"][j], k_of(j, kb))
+            ),
+            blockspec_model.Operand(
+                "rhs", n_rhs * tk * cols, lambda nb, j, kb: (wl["GROUP"][j], k_of(j, kb), nb)
+            ),
+            blockspec_model.Operand("out", tm * tn * 4, lambda nb, j, kb: (wl["OUT"][j], nb), True),
+        ],
+    )
+    assert w["reads"].tolist() == reads.tolist()
+    assert w["writes"].tolist() == writes.tolist()
+    assert len(w["rows"]) == nt * L * kt and w["rows"].sum() >= nt * kt * gs.sum()
+    assert (w["rows"] > 0).sum() == ((w["full"] + w["tail"]) > 0).sum()
+
+
+def test_gmm_ranking_overlaps_each_steps_copies_with_its_compute():
+    """The gmm tile ranking overlaps compute and copies grid step by grid step
+    (tpu_generations.overlapped_step_seconds on tiling.gmm_step_profile) and, at equal bytes,
+    takes the faster tiles: on a TPU v5e chip Qwen3-30B-A3B down ran 3276 us at 512-row tiles
+    and 3441 at 1024 at 16384 tokens, 1161 and 1074 at 4096
+    (results/device/v5e_gmm_tile_sweep*.json, v5e_ragged_ours_step_overlap.json); the
+    compiled schedule orders them the same. Whole-call overlap with the fewest grid steps
+    between ties picked 1024 at both."""
+    import kernel_loader
+    from tpu_generations import overlapped_step_seconds, ranked_seconds
+
+    T = kernel_loader.load_kernel("ragged_dot").tiling
+    # the rule: a step's compute hides the next step's reads and the previous step's writes
+    # (step 0 hides step 1's 3: exposed 1; the first read and the last write wait)
+    assert overlapped_step_seconds([2, 2, 2], [1, 3, 1], [1, 1, 1]) == 1 + 3 + 2 + 2 + 1
+    v5e = T.get_generation("v5e")
+    picks = {}
+    for tokens in (4096, 16384):
+        m, bf16 = tokens * 8, "bfloat16"
+        t = T.gmm_tiling(m, 768, 2048, bf16, bf16, bf16, num_groups=128, generation="v5e")
+        picks[tokens] = t.tm
+        cost = T.gmm_candidate_cost(v5e, m, 768, 2048, 128, bf16, bf16, bf16, t.tm, 768, 2048)
+        whole = dataclasses.replace(cost, step_profile=None)
+        assert ranked_seconds(cost, v5e) > ranked_seconds(whole, v5e)  # copies exposed
+    assert picks == {4096: 1024, 16384: 512}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -856,3 +921,15 @@ def test_flash_packed_row_charges_a_hot_iteration_per_live_tile(monkeypatch):
     bundles = 32 * 12256 + 640 * 1567
     assert out["bundle_us"] == pytest.approx(bundles / 1.5e9 * 1e6, abs=1e-3)
     assert 900 < out["scheduled_us"] < 1000
+
+
+def test_tile_sweep_varies_one_field_of_the_kernels_own_tiling():
+    """`tile_sweep.py --vary FIELD=V1,V2`: the own tiling with that field changed, the own value
+    left out (the kernel's choice is timed anyway); a field of the other kernel is refused."""
+    import tile_sweep
+
+    names = tile_sweep.FIELDS["ragged_dot"]
+    got = tile_sweep._variants([1024, 768, 2048], names, ["tm=512,1024,2048", "tn=1024"])
+    assert got == [(512, 768, 2048), (2048, 768, 2048), (1024, 768, 1024)]
+    with pytest.raises(SystemExit, match="block_kv"):
+        tile_sweep._variants([1024, 768, 2048], names, ["block_kv=4096"])

@@ -36,6 +36,8 @@ SHAPES = {
     "flux_dev": dict(Hq=24, Hkv=24, S=4608, D=128, causal=False, window=(-1, -1), softcap=0.0),
     # Gemma-like heads at 3072 tokens: a kv block of all 3072 keys over 2 x 1024 stacked rows
     "gqa_d256_3072": dict(Hq=16, Hkv=8, S=3072, D=256, causal=True, window=(-1, -1), softcap=0.0),
+    # Wan-like video attention: 12 heads, 32768 tokens, full: 4096-key forward blocks
+    "wan_like": dict(Hq=12, Hkv=12, S=32768, D=128, causal=False, window=(-1, -1), softcap=0.0),
 }
 
 

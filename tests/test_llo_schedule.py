@@ -578,6 +578,36 @@ def _largest_window_code_cell(generation: str) -> str:
 
 @pytest.mark.compile
 @pytest.mark.timeout(600)
+def test_tile_sweep_reads_other_gmm_tilings_from_the_compiled_schedule(tmp_path):
+    """`tile_sweep.py --scheduled GEN` (no chip): the gmm at its own tiles scheduled as its
+    named row is (the same program and work, so the same time as results.json's row), and at
+    another row tile a program of its own (another time)."""
+    import json
+
+    import tile_sweep
+
+    out = tmp_path / "sched.json"
+    args = ["--scheduled", "v5e", "--shape", "qwen3_30b_a3b_down_t64", "--vary", "tm=256"]
+    rows = tile_sweep.main(args + ["--out", str(out)])["rows"]
+    assert json.loads(out.read_text())["rows"] == rows
+    own, other = rows
+    assert own["kernel_choice"] and other["tiles"][0] == 256, rows
+    results = json.loads(
+        (Path(__file__).parent.parent / "benchmarks/results/results.json").read_text()
+    )
+    named = next(
+        r
+        for r in results["named"]["rows"]
+        if (r["shape"], r["impl"]) == ("qwen3_30b_a3b_down_t64", "ours")
+    )
+    assert own["scheduled_us"] == pytest.approx(
+        named["per_generation"]["v5e"]["scheduled"]["scheduled_us"], rel=1e-6
+    )
+    assert other["scheduled_us"] > 0 and other["scheduled_us"] != own["scheduled_us"]
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
 def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
     """On every generation, our gmm at the named cell with the most window code under that

@@ -46,6 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
+
+import numpy as np
 
 MiB = 1 << 20
 
@@ -268,6 +271,12 @@ class KernelCost:
     # code (paged attention: a q block's items): the items, charged step_fixed_bundles each in
     # place of the grid steps (0: one item per grid step)
     work_items: int = 0
+    # per grid step (pipeline order), where a family models it: (the step's share of the
+    # compute, e.g. its MXU rows; the bytes its input blocks copy in; the bytes its output
+    # blocks write back), arrays of one value per step; `ranked_seconds` then overlaps each
+    # step's compute with its neighbours' copies (`overlapped_step_seconds`) instead of the
+    # whole call's. None: the call's compute and DMA overlap as totals.
+    step_profile: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     def modelled_seconds(self, gen: TpuGeneration, peak_flops: float | None = None) -> float:
         """max(issued FLOPs / peak, bytes / HBM bandwidth) + steps x per-step overhead (the
@@ -407,6 +416,21 @@ def step_bundles(gen: TpuGeneration, *, step_vregs: float, grid_steps: float) ->
     return step_vregs * m.step_vreg_bundles + grid_steps * m.step_fixed_bundles
 
 
+def overlapped_step_seconds(compute, reads, writes, streams=None) -> float:
+    """Seconds of a grid whose steps are double-buffered (Pallas' pipeline): step i's compute
+    (`compute[i]`, seconds) runs while the blocks of step i + 1 are copied in (`reads[i + 1]`),
+    the output blocks of step i - 1 are written back (`writes[i - 1]`) and the copies it
+    streams itself (`streams[i]`) run; the first step's copies wait, as does the last
+    write-back. One rule for the tile ranking (`ranked_seconds` with a `step_profile`) and the
+    benchmarks' scheduled time (schedule_model, per-step work)."""
+    compute = np.asarray(compute, float)
+    reads, writes = np.asarray(reads, float), np.asarray(writes, float)
+    hidden = np.r_[reads[1:], 0.0] + np.r_[0.0, writes[:-1]]
+    if streams is not None:
+        hidden = hidden + np.asarray(streams, float)
+    return float(reads[0] + np.maximum(compute, hidden).sum() + writes[-1])
+
+
 def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: int = 0) -> float:
     """The time model every family's `choose_tiles` ranks candidates by (schedule-aware):
 
@@ -417,7 +441,10 @@ def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: i
     (`step_bundles`, when counted); DMA = hbm_bytes / bandwidth, overlapped with compute (double
     buffering); `outside_hbm_bytes`: XLA copies around the kernel a tile choice causes (padding
     to a block multiple). A KernelCost without unit counts (compute_tiles == 0) is charged the
-    MXU FLOP floor alone (the roofline)."""
+    MXU FLOP floor alone (the roofline). With a `step_profile` the compute and the bytes are
+    spread over the grid steps by it and overlapped step by step (`overlapped_step_seconds`):
+    a step whose copies outlast its compute is charged them (never less than max(compute,
+    DMA))."""
     floor = cost.mxu_flops / gen.bf16_flops
     if cost.compute_tiles:
         bundles = tile_bundles(
@@ -435,11 +462,14 @@ def ranked_seconds(cost: KernelCost, gen: TpuGeneration, *, outside_hbm_bytes: i
     else:
         compute = floor
     dma = cost.hbm_bytes / gen.hbm_bytes_per_s
-    return (
-        max(compute, dma)
-        + cost.grid_steps * gen.step_overhead_s
-        + outside_hbm_bytes / gen.hbm_bytes_per_s
-    )
+    busy = max(compute, dma)
+    if cost.step_profile is not None:
+        share, reads, writes = (np.asarray(a, float) for a in cost.step_profile)
+        moved = reads.sum() + writes.sum()
+        per_byte = dma / moved if moved > 0 else 0.0
+        spread = compute * share / share.sum() if share.sum() > 0 else np.zeros_like(share)
+        busy = max(busy, overlapped_step_seconds(spread, reads * per_byte, writes * per_byte))
+    return busy + cost.grid_steps * gen.step_overhead_s + outside_hbm_bytes / gen.hbm_bytes_per_s
 
 
 def best_tiles(candidates, gen: TpuGeneration, tie_break=None, within: float = 0.0):

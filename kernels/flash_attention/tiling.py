@@ -344,6 +344,13 @@ def _next_pow2(x: int) -> int:
 # at Wan-like: power-of-two kv blocks past 2048 are an open tile-policy question.
 FITTED_MIN = 512
 FITTED_MAX_KV = 4608
+# A power-of-two kv block past 2048 keys, a forward candidate where the band covers every key
+# (not causal, no window): on a TPU v5e chip Wan-like video attention (12 heads, 32768 tokens)
+# ran 36550 us at 2048 x 4096 blocks and 38807 at 2048 x 2048 (-6%), while under a causal band
+# 4096 keys gained nothing or lost (Llama-3-8B 8192 causal 3675-3708 against 3643, its batch
+# of 32 x 4096 35557 against 33859, d=256 b2 8192 causal a tie, Gemma's 4096 window +0.7%;
+# benchmarks/results/device/v5e_flash_tile_sweep*.json). The backward keeps its candidates.
+LONG_KV_BLOCK = 4096
 POW2_BLOCKS = (2048, 1024, 512, 256, 128)
 
 
@@ -362,10 +369,11 @@ def fitted_blocks(length: int, tile: int, largest: int = POW2_BLOCKS[0]) -> list
     return sorted(out, reverse=True)
 
 
-def _candidates(q_len, kv_len, groups, gen, total_q=None, total_kv=None):
+def _candidates(q_len, kv_len, groups, gen, total_q=None, total_kv=None, long_kv=False):
     """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward: power-of-two
     blocks, then the blocks fitted to the padded totals (`total_q` / `total_kv`, the arrays the
-    kernel pads; default the lengths)."""
+    kernel pads; default the lengths), then, with `long_kv` (a band that covers every key),
+    LONG_KV_BLOCK kv blocks under at most MAX_ROWS stacked query rows."""
     # Blocks up to the next power of two of each length: a block larger than the sequence only
     # pads it, and a longer sequence must never see candidates a shorter one was refused (the
     # choice would not be monotone in length).
@@ -390,6 +398,10 @@ def _candidates(q_len, kv_len, groups, gen, total_q=None, total_kv=None):
     ]:
         if bk <= POW2_BLOCKS[0] or groups * bq <= MAX_ROWS:
             yield bq, bqc, bk, compute_kv
+    if long_kv and LONG_KV_BLOCK <= cap_k:
+        for bq, bqc in pow2_q:
+            if groups * bq <= MAX_ROWS:
+                yield bq, bqc, LONG_KV_BLOCK, compute_kv
 
 
 def pad_copy_rows(total: int, multiple: int) -> int:
@@ -457,9 +469,11 @@ def choose_tiles(
 
     total_q, total_kv = total_q or q_len, total_kv or kv_len
     candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv))
+    full_band = not causal and tuple(window_size) == (-1, -1)
+    fwd_candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv, full_band))
 
     def forward():
-        for bq, bqc, bk, bkc in candidates:
+        for bq, bqc, bk, bkc in fwd_candidates:
             # forward: block_q x block_kv DMA blocks, block_q_compute x block_kv_compute tiles
             nf = vmem_need_fwd(groups, head_dim, isz, bq, bk, bkc, segments, bqc)
             if nf > budget:

@@ -11,8 +11,11 @@ by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) o
 `gmm_candidate_cost`: the HBM bytes and grid steps of `estimate_cost`'s closed form, and what the
 expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
 calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
-its rows) plus the grid steps' own accumulator code; candidates within RANKING_TOLERANCE of the
-fastest go to the one moving the fewest HBM bytes. tgmm ranks the same way (`_tgmm_search`) on
+its rows) plus the grid steps' own accumulator code, with the compute and the copies overlapped
+grid step by grid step on a representative routing (`gmm_step_profile`: a group's first step
+copies a whole weight block, and a step with few rows cannot hide it); candidates within
+RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes, then to the faster
+by the model. tgmm ranks the same way (`_tgmm_search`) on
 `tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
 through the MXU and move through VMEM (`tgmm_window_units`, calibrated on the LLO dumps of tgmm,
 tile_model_calibration.json "tgmm_points": the dout rows are the MXU's stationary operand, so a
@@ -31,6 +34,7 @@ The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import numpy as np
@@ -461,6 +465,78 @@ def _expected_windows(m: int, num_groups: int, tm: int, unit: int):
     return items, sorted(windows.items())
 
 
+@functools.lru_cache(maxsize=16)
+def representative_group_sizes(m: int, num_groups: int) -> np.ndarray:
+    """The routed group sizes the tile search plans for (the real ones are traced): m rows sent
+    to num_groups experts uniformly at random, with a fixed seed, so a group's first and last
+    rows fall where routing puts them, not on tile edges (equal sizes of 1024 rows would align
+    with 1024-row tiles and hide the partial items every real batch has)."""
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(m, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
+    sizes.flags.writeable = False
+    return sizes
+
+
+def gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None):
+    """Per grid step (N tile, item, K tile) of a gmm call, in grid order, from its work list
+    `wl` (`_fields` of `work_list`): "full", its full row windows; "tail", 1 where it runs a
+    tail window; "rows", the MXU rows it multiplies; "reads", the bytes its input blocks copy
+    in; "writes", the bytes its output block writes back after it (kernel.py's index maps:
+    lhs (TILE, k), weights (GROUP, k, n), out (OUT, n); items without MXU work keep the last
+    K block). The tile ranking's `step_profile` and the benchmarks' per-step schedule
+    (benchmarks/ours.py) both read it."""
+    buckets = bucket_sizes(tm, unit)
+    L = wl["FLAGS"].shape[0]
+    kt, nt = -(-k // tk), -(-n // tn)
+    compute = (wl["FLAGS"] & F_COMPUTE) != 0
+    tail = compute & (wl["BUCKET"] >= 0)
+    full = np.where(compute, wl["NFULL"], 0)
+    rows = full * row_chunk(tm) + np.where(
+        tail, np.asarray(buckets)[np.maximum(wl["BUCKET"], 0)], 0
+    )
+    nb = np.repeat(np.arange(nt), L * kt)
+    j = np.tile(np.repeat(np.arange(L), kt), nt)
+    kb = np.where(wl["KFIX"][j] != 0, kt - 1, np.tile(np.arange(kt), nt * L))
+
+    def changed(*idx):  # a block is copied when its index differs from the previous step's
+        return np.r_[True, np.any([np.diff(a) != 0 for a in idx], axis=0)]
+
+    n_rhs, cols = _weight_blocks(tn, gate_layout)
+    reads = changed(wl["TILE"][j], kb) * float(tm * tk * lhs_bytes) + changed(
+        wl["GROUP"][j], kb, nb
+    ) * float(n_rhs * tk * cols * rhs_bytes)
+    writes = np.r_[changed(wl["OUT"][j], nb)[1:], True] * float(tm * tn * out_bytes)
+    return {
+        "full": full[j].astype(float),
+        "tail": tail[j].astype(float),
+        "rows": rows[j].astype(float),
+        "reads": reads,
+        "writes": writes,
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def gmm_step_profile(
+    m, k, n, num_groups, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None
+) -> tuple:
+    """KernelCost.step_profile of a gmm call on `representative_group_sizes`: per grid step
+    its MXU rows, the bytes it copies in and the bytes it writes back (`gmm_step_work`). What
+    it adds to the ranking: a group's first step copies a whole weight block (and a new row
+    tile's lhs, and writes the previous tile's output) while the step before it may be a few
+    rows of the last group's tail: with large blocks those copies outlast the compute that
+    should hide them (Qwen3-30B-A3B down at 16384 tokens on a TPU v5e chip: 3276 us at
+    512-row tiles, 3441 at 1024; the compiled schedule's per-step overlap orders them the
+    same, 2910 and 3088 us; benchmarks/results/device/v5e_gmm_tile_sweep*.json)."""
+    wl = _fields(
+        work_list(
+            representative_group_sizes(m, num_groups),
+            m=m, tm=tm, buckets=bucket_sizes(tm, unit), unit=unit, kind="gmm",
+        )
+    )  # fmt: skip
+    w = gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout)
+    return w["rows"], w["reads"], w["writes"]
+
+
 # gmm candidates whose ranked time is within this factor of the fastest are ties, ordered by
 # `_tie_break` (fewest HBM bytes, which the closed form counts exactly): the model's error on
 # whole gmm calls. At the benchmark rows' tiles it agrees with benchmarks' scheduled time within
@@ -527,6 +603,9 @@ def gmm_candidate_cost(
             )
         ),
         step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
+        step_profile=gmm_step_profile(
+            m, k, n, num_groups, tm, tk, tn, unit, lb, wb, ob, gate_layout
+        ),
         **units,
     )
 
@@ -535,9 +614,9 @@ def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within, n_rhs=1):
     """The (tm, tk, tn) `best_tiles` ranks fastest (tpu_generations.ranked_seconds of
     `cost_of(tm, tk, tn)`, a KernelCost) among the candidates whose VMEM need fits the budget
     and whose program can fit one overlay (`program_fits`, `n_rhs` weight blocks per window;
-    unless tm and tk are both given), ties within `within` to the fewest HBM bytes, then grid
-    steps (`_tie_break`); fields given in `ov` are kept as given. Nothing fits (only possible
-    with an override): the smallest need."""
+    unless tm and tk are both given), ties within `within` to the fewest HBM bytes, then the
+    faster by the model (`_tie_break`); fields given in `ov` are kept as given. Nothing fits
+    (only possible with an override): the smallest need."""
     budget = vmem_budget_bytes(gen)
     tms = _row_candidates(gen, m, unit, ov.get("tm"))
     tks = [ov["tk"]] if ov.get("tk") else _dim_candidates(k)
@@ -574,8 +653,12 @@ def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised,
 
 def _tie_break(tiles):
     """Among candidates within RANKING_TOLERANCE of the fastest: the fewest HBM bytes (exact,
-    where the bundles carry the model's error), then the fewest grid steps."""
-    return tiles[3], tiles[4]
+    where the bundles carry the model's error); among equal bytes `best_tiles` takes the faster
+    by the model. (Fewer grid steps came second until the gmm's ranking overlapped DMA per grid
+    step, `gmm_step_profile`: the model charges steps itself, and at equal bytes the fewest
+    steps picked 1024-row tiles at Qwen3-30B-A3B's 16384 tokens, 5% slower on a TPU v5e chip
+    than the 512 the model ranks faster.)"""
+    return (tiles[3],)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -738,6 +821,7 @@ def gmm_tiling(
     tn_cands = _dim_candidates(n, halves=True)
     if gate_layout is not None:
         tn_cands = _gated_tn_candidates(n, gate_layout)
+    _check_gmm_tiles(ov, m, k, n, unit, gate_layout)  # the fields given, before any search
     tm, tk, tn = _gmm_search(
         gen,
         m,
@@ -751,13 +835,22 @@ def gmm_tiling(
         quantised,
         gate_layout,
     )
-    _check_tile("tm", tm, m, unit)
-    _check_tile("tk", tk, k, 128)
-    if gate_layout is None:
-        _check_tile("tn", tn, n, 128)
-    else:
-        check_gated_tn(tn, n, gate_layout)
+    _check_gmm_tiles(dict(tm=tm, tk=tk, tn=tn), m, k, n, unit, gate_layout)
     return GmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=ov.get("vmem_limit_bytes"))
+
+
+def _check_gmm_tiles(tiles: dict, m, k, n, unit, gate_layout) -> None:
+    """ValueError naming the field for each of tm / tk / tn in `tiles` (a given override's
+    fields, or the chosen tiles) the kernel cannot run."""
+    if tiles.get("tm") is not None:
+        _check_tile("tm", tiles["tm"], m, unit)
+    if tiles.get("tk") is not None:
+        _check_tile("tk", tiles["tk"], k, 128)
+    if tiles.get("tn") is not None:
+        if gate_layout is None:
+            _check_tile("tn", tiles["tn"], n, 128)
+        else:
+            check_gated_tn(tiles["tn"], n, gate_layout)
 
 
 def tgmm_tiling(
