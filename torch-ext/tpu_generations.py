@@ -28,7 +28,9 @@ checks it for every family):
   calibrated on libtpu's LLO dumps of our kernels' hot loops
   (benchmarks/results/tile_model_calibration.json; tests/test_shared_contract.py keeps the
   model within its tolerance of them). A family whose cost leaves the unit counts at 0 is ranked
-  by the MXU FLOP floor (the roofline). `best_tiles(..., within=)` treats candidates within the
+  by the MXU FLOP floor (the roofline). A family that gives a `step_profile` (the gmm) has its
+  compute and copies overlapped grid step by grid step (`overlapped_step_seconds`), not as
+  totals. `best_tiles(..., within=)` treats candidates within the
   model's error of the fastest as equal and lets the family's tie-break (larger DMA blocks for
   flash) choose among them.
 

@@ -341,7 +341,7 @@ def _next_pow2(x: int) -> int:
 # 4608 keys. Longer ones overflowed the VMEM limit the budget model set on the chip (Wan-like
 # 2048 x 8192, Llama-3-8B's 4 x 2048 stacked rows x 4096, when it counted one score tile's
 # temporaries; `vmem_need_fwd` now counts two past 2048 keys), though 2048 x 4096 ran 6% faster
-# at Wan-like: power-of-two kv blocks past 2048 are an open tile-policy question.
+# at Wan-like: full attention's forward takes LONG_KV_BLOCK below.
 FITTED_MIN = 512
 FITTED_MAX_KV = 4608
 # A power-of-two kv block past 2048 keys, a forward candidate where the band covers every key
