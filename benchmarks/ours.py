@@ -193,45 +193,34 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
     schedule overlaps DMA and compute per step)."""
     T, K = mod.tiling, mod.kernel
     unit = T.row_unit(dtype)
-    buckets = T.bucket_sizes(t.tm, unit)
     wl = T._fields(
         T.work_list(
             np.asarray(group_sizes, np.int32),
             m=m,
             tm=t.tm,
-            buckets=buckets,
+            buckets=T.bucket_sizes(t.tm, unit),
             unit=unit,
             kind="gmm",
         )
     )
-    compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
-    nt, kt = -(-n // t.tn), -(-k // t.tk)
     chunks = t.tn // K._n_chunk(t.tk, t.tn, T.get_generation(generation), t.tm, unit)
-    tail = (wl["BUCKET"] >= 0) & compute
+    # the kernel's own per-step work (tiling.gmm_step_work; the tile ranking reads it too, and
+    # test_benchmarks checks its copies against the generic BlockSpec model)
+    isz = np.dtype(dtype).itemsize
+    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz)
     trips = {
-        "hot_iterations": float(wl["NFULL"][compute].sum() * nt * kt * chunks),
-        "side_region_runs": float(tail.sum() * nt * kt * chunks),
+        "hot_iterations": float(w["full"].sum() * chunks),
+        "side_region_runs": float(w["tail"].sum() * chunks),
     }
     if per_step:
-        trips["step_work"] = _gmm_step_work(wl, t, k, n, chunks, dtype, mod)
+        trips["step_work"] = {
+            "hot": w["full"] * chunks,
+            "side": w["tail"] * chunks,
+            "mxu": w["rows"],
+            "reads": w["reads"],
+            "writes": w["writes"],
+        }
     return trips
-
-
-def _gmm_step_work(wl, t, k, n, chunks, dtype, mod) -> dict:
-    """Per grid step (N tile, item, K tile) of our gmm: its hot-loop iterations (full windows,
-    one per column chunk), tail windows, MXU rows and the bytes its BlockSpecs copy: the
-    kernel's own `tiling.gmm_step_work` (the tile ranking reads it too; its copies are checked
-    against the generic BlockSpec model, blockspec_model.step_copies, in test_benchmarks)."""
-    T = mod.tiling
-    isz = np.dtype(dtype).itemsize
-    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, T.row_unit(dtype), isz, isz, isz)
-    return {
-        "hot": w["full"] * chunks,
-        "side": w["tail"] * chunks,
-        "mxu": w["rows"],
-        "reads": w["reads"],
-        "writes": w["writes"],
-    }
 
 
 def _window_size(shape):

@@ -77,6 +77,23 @@ def _variants(own: list, names, vary: list) -> list:
     return out
 
 
+def _sweep(adapter, args, shape, gen):
+    """(tiles, record) for each tiling of `shape` the command line asks for: the kernel's own
+    choice first, then `--tiles`, then `--vary`'s changes of the own tiling."""
+    pick = adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles
+    own = pick(shape, gen)
+    tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+    tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
+    for t in tilings:
+        tiles = own if t is None else _tiles(adapter, args.kernel, t)
+        rec = {
+            "shape": shape.name,
+            "tiles": _fields(args.kernel, tiles),
+            "kernel_choice": t is None,
+        }
+        yield tiles, rec
+
+
 def _scheduled(args) -> dict:
     """`--scheduled GEN`: the sweep's tilings read from the compiled schedule instead of a chip
     (`schedule_rows.compiled_summary` of `schedule_targets.compile_gmm_tiles`, timed by
@@ -91,13 +108,8 @@ def _scheduled(args) -> dict:
     named = {s.name: s for s in shapes_mod.NAMED[args.kernel]}
     doc = {"meta": {"generation": gen, "scheduled": True}, "kernel": args.kernel, "rows": []}
     for shape in (named[s] for s in args.shape):
-        own = adapter.tiles(shape, gen)
-        tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
-        tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
-        for t in tilings:
-            tiles = own if t is None else _tiles(adapter, args.kernel, t)
-            fields = _fields(args.kernel, tiles)
-            rec = {"shape": shape.name, "tiles": fields, "kernel_choice": t is None}
+        for tiles, rec in _sweep(adapter, args, shape, gen):
+            fields = rec["tiles"]
             target = "schedule_targets:compile_gmm_tiles"
             summary = schedule_rows.compiled_summary(
                 args.kernel, "ours", target, {"shape": shape.name, "tiles": fields}, gen
@@ -153,14 +165,7 @@ def main(argv=None):
     doc = {"meta": _device_info(), "method": __doc__, "kernel": args.kernel, "rows": []}
     with ctx:
         for shape in chosen:
-            pick = adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles
-            own = pick(shape, gen)
-            tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
-            tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
-            for t in tilings:
-                tiles = own if t is None else _tiles(adapter, args.kernel, t)
-                rec = {"shape": shape.name, "tiles": _fields(args.kernel, tiles)}
-                rec["kernel_choice"] = t is None
+            for tiles, rec in _sweep(adapter, args, shape, gen):
                 with case_record(doc, rec, args.out, log):
                     fn, fargs = adapter.call(shape, gen, tiles=tiles)
                     rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))
