@@ -309,6 +309,16 @@ CHECK_SHAPES = {
             kv_dtype="int8",
         ),  # fmt: skip
         shapes_mod.PagedShape(
+            "check_decode_fp8",
+            ((1, 513), (1, 64), (1, 2000)),
+            32,
+            8,
+            128,
+            128,
+            layout="token_major",
+            kv_dtype="float8_e4m3fn",
+        ),  # fmt: skip
+        shapes_mod.PagedShape(
             "check_window_token_major",
             ((1, 900), (20, 400)),
             8,
@@ -432,7 +442,7 @@ def _flash_backward_cases(mod, gen):
 def check_kernels(kinds, out: Path, log) -> dict:
     """Each CHECK_SHAPES case compiled for the chip and compared with the f32 reference:
     max |kernel - ref| / max |ref| and whether it is within the tests' tolerance (2e-2 for bf16
-    inputs, 2e-3 for f32; the paged int8 case 3e-2, its quantisation error included)."""
+    inputs, 2e-3 for f32; the paged 8-bit cases 3e-2, their quantisation error included)."""
     import jax
     import numpy as np
 
@@ -517,6 +527,7 @@ MEASURED_FILES = (
     "v5e_ragged_ours_step_overlap.json",
     "v5e_flash_wan_long_kv.json",
     "v5e_flash_checked.json",
+    "v5e_paged_e4m3_pairs.json",
 )
 
 

@@ -601,9 +601,17 @@ class PagedAttention(Adapter):
             pages_per_block=cfg.pages_per_block,
             spread_matrix=shape.token_scales
             and token_major
-            and T.quad_heads(
-                shape.cache_dtype, shape.kv_heads, group, T.narrow_rows(group, rows), True
-            ),
+            and any(
+                rule(
+                    shape.cache_dtype,
+                    shape.kv_heads,
+                    group,
+                    T.narrow_rows(group, rows),
+                    True,
+                    generation,
+                )
+                for rule in (T.quad_heads, T.e4m3_pairs)
+            ),  # fmt: skip
         )
 
     def schedule_trips(self, shape, generation, tiles=None):
@@ -637,6 +645,7 @@ class PagedAttention(Adapter):
             group,
             narrow,
             token_scales=shape.token_scales,
+            generation=generation,
         )
         return T.path_runs(
             items,
