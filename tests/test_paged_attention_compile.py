@@ -219,9 +219,12 @@ def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
 
 
-@pytest.mark.parametrize("generation,qdtype", [("v5e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8")])
+@pytest.mark.parametrize(
+    "generation,qdtype", [("v5e", "fp8"), ("v6e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8")]
+)
 def test_quantised_token_major_compiles(generation, qdtype):
-    """8-bit pages (word unpacking, e4m3 decode with integer ops), per-token and per-head scales,
+    """8-bit pages (word unpacking; e4m3 on v5e / v6e as bit-decoded pairs, kernel.py
+    `_e4m3_pair`), per-token and per-head scales,
     sinks and the in-place write at Llama-3-8B decode (64 x 8192, page 128): the 8-bit caches
     aliased, no cache-sized temporary."""
     import jax

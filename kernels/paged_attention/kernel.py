@@ -312,6 +312,8 @@ def _paged_kernel(
     refs = refs[1 + n_arr :]
     if token_scales:  # VMEM slots of the items' scales: [2, Hkv, pages * block_size] each
         scale_bufs, refs = refs[:2], refs[2:]
+    # e4m3 pairs always have per-token scales (their 2**RAW_Q_SHIFT rides on the V scales).
+    assert token_scales or not e4m3_pairs
     if (quad_heads or e4m3_pairs) and token_scales:  # spread_token_scales' matrix and output
         repeat_ref, spread_refs, refs = refs[0], refs[1:3], refs[3:]
     sem = refs[0]
@@ -781,9 +783,10 @@ def _paged_kernel(
             [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
             them, nothing unpacked (the per-head path moved every word's half to an f32 word and
             packed it back: 2 of every 3 VALU ops of a decode step). e4m3 pages on v5e / v6e
-            (`e4m3_pairs`, compact form only): a word holds one token of heads 4j..4j+3, and
-            `_e4m3_pair` makes two such pair words of it. Every q row meets all 2 * kv_tok key rows; a score is kept
-            where the key's head (column parity) is the row's head.
+            (`e4m3_pairs`, compact form only, with per-token scales): a word holds one token of
+            heads 4j..4j+3, and `_e4m3_pair` makes two such pair words of it. Every q row meets
+            all 2 * kv_tok key rows; a score is kept where the key's head (column parity) is the
+            row's head.
 
             Which q rows go to the MXU. Stacked (`compact=False`): the pair's rows, [2 * nr, D]
             (head h0's nr rows, then head h1's). Compact (`compact=True`, an item holding at most
@@ -849,7 +852,7 @@ def _paged_kernel(
             def swap_halves(x):
                 return jnp.concatenate([x[half:], x[:half]], axis=0)
 
-            def per_row(m, values):
+            def per_row(values):
                 """[nr, 1] (compact form): values[0] on head h0's rows, values[1] on h1's."""
                 return jnp.where(row_head, values[1], values[0])
 
@@ -896,7 +899,7 @@ def _paged_kernel(
                         s = by_columns(s, 0, heads(m))
                     if static_scales:
                         h0, h1 = heads(m)
-                        factor = per_row(m, (static_ref[0, h0], static_ref[0, h1])) * factor
+                        factor = per_row((static_ref[0, h0], static_ref[0, h1])) * factor
                     s = s * factor
                 if soft_cap is not None:
                     s = jnp.tanh(s) * (soft_cap * log2e)
@@ -907,11 +910,10 @@ def _paged_kernel(
                 l_prev, l_read = load(l_ref, m)
                 acc_prev, acc_read = load(acc_ref, m)
                 m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
-                # V's per-token scales and the raw decode's shift fold into the probabilities.
+                # V's per-token scales and the raw decode's shift (raw pages always have per-token
+                # scales: tiling.e4m3_pairs) fold into the probabilities.
                 if token_scales:
                     p = by_columns(p, 1, heads(m), 2.0**RAW_Q_SHIFT if raw else 1.0)
-                elif raw:
-                    p = p * 2.0**RAW_Q_SHIFT
                 pv = jax.lax.dot_general(
                     p.astype(v.dtype),
                     v,
@@ -920,7 +922,7 @@ def _paged_kernel(
                 )
                 if static_scales:
                     h0, h1 = heads(m)
-                    pv = pv * (per_row(m, (static_ref[1, h0], static_ref[1, h1])) * unshift)
+                    pv = pv * (per_row((static_ref[1, h0], static_ref[1, h1])) * unshift)
                 elif raw:
                     pv = pv * unshift
                 acc_new = alpha * acc_prev + pv
