@@ -510,8 +510,10 @@ def check_kernels(kinds, out: Path, log) -> dict:
 # results: v5e_ragged_ours_before_program_fit.json (our gmm before its program fitted one
 # instruction-memory overlay), v5e_ragged_ours.json's and v5e_ragged_rest.json's rows of ours
 # (before the work-list builders lost their XLA while loops; v5e_ragged_ours_loop_free.json
-# re-times every one), v5e_decode_probe.json (benchmarks/decode_dma_probe.py) and the check files
-# (the compiled kernels against the f32 references).
+# re-times every one), v5e_decode_probe.json (benchmarks/decode_dma_probe.py),
+# v5e_fp8_mxu_codes.json (benchmarks/fp8_mxu_probe.py: every e4m3 code through the MXU) and the
+# check files (the compiled kernels against the f32 references). v5e_paged_e4m3_pairs.json timed
+# the e4m3 bit-decoded pair path that v5e_paged_8bit_mxu.json's quads replaced.
 DEVICE_DIR = HERE / "results" / "device"
 MEASURED_FILES = (
     "v5e_ragged_anchors.json",
@@ -528,6 +530,7 @@ MEASURED_FILES = (
     "v5e_flash_wan_long_kv.json",
     "v5e_flash_checked.json",
     "v5e_paged_e4m3_pairs.json",
+    "v5e_paged_8bit_mxu.json",
 )
 
 

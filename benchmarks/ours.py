@@ -559,6 +559,7 @@ class PagedAttention(Adapter):
             generation=generation,
             config=tiles,
             token_major=shape.layout == "token_major",
+            token_scales=shape.token_scales,
         )
 
     def _work_list(self, shape, generation, tiles=None):
@@ -601,17 +602,9 @@ class PagedAttention(Adapter):
             pages_per_block=cfg.pages_per_block,
             spread_matrix=shape.token_scales
             and token_major
-            and any(
-                rule(
-                    shape.cache_dtype,
-                    shape.kv_heads,
-                    group,
-                    T.narrow_rows(group, rows),
-                    True,
-                    generation,
-                )
-                for rule in (T.quad_heads, T.e4m3_pairs)
-            ),  # fmt: skip
+            and T.quad_heads(
+                shape.cache_dtype, shape.kv_heads, group, T.narrow_rows(group, rows), True
+            ),
         )
 
     def schedule_trips(self, shape, generation, tiles=None):
@@ -645,7 +638,6 @@ class PagedAttention(Adapter):
             group,
             narrow,
             token_scales=shape.token_scales,
-            generation=generation,
         )
         return T.path_runs(
             items,

@@ -220,11 +220,12 @@ def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
 
 
 @pytest.mark.parametrize(
-    "generation,qdtype", [("v5e", "fp8"), ("v6e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8")]
+    "generation,qdtype",
+    [("v5e", "fp8"), ("v6e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8"), ("tpu7x", "fp8")],
 )
 def test_quantised_token_major_compiles(generation, qdtype):
-    """8-bit pages (word unpacking; e4m3 on v5e / v6e as bit-decoded pairs, kernel.py
-    `_e4m3_pair`), per-token and per-head scales,
+    """8-bit pages (word unpacking; the decode quads' e4m3 keys and values straight into bf16 x
+    e4m3 matmuls, which each generation's MXU loads itself), per-token and per-head scales,
     sinks and the in-place write at Llama-3-8B decode (64 x 8192, page 128): the 8-bit caches
     aliased, no cache-sized temporary."""
     import jax

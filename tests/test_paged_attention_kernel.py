@@ -919,47 +919,29 @@ def _quantised_ref(b, token_scales: bool, **kw):
 def test_8bit_quad_path_and_per_head_items(qdtype, hkv, hq, token_scales):
     """8-bit decode items of at most a quarter of the 16 narrow rows take the quad path
     (kernel.py compute_head_quads: four KV heads per word, heads 4j + 1..3's q rows rotated into
-    rows the item does not own, G = 4 aligned and G = 3 straddling the quarters; e4m3 takes it
-    on TPU7x); a 2-4 token chunk in the same q block takes the per-head path."""
-    _check_8bit_decode_paths(qdtype, hkv, hq, token_scales, "tpu7x", 4)
-
-
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
-@pytest.mark.parametrize("hkv, hq", [(8, 32), (8, 24), (8, 64)])
-def test_e4m3_pair_path_and_per_head_items(generation, hkv, hq):
-    """e4m3 decode items on v5e / v6e take the pair path over `_e4m3_pair`'s bit-decoded pairs
-    (KV heads 4j + k and 4j + k + 2; the raw values times 2**-120, q and the probabilities
-    shifted by 2**64): items of at most half the 16 narrow rows (G = 4, G = 3 straddling the
-    halves, G = 8 filling one), longer items the per-head path, as the quad test checks."""
-    _check_8bit_decode_paths("fp8", hkv, hq, True, generation, 8)
-
-
-def _check_8bit_decode_paths(qdtype, hkv, hq, token_scales, generation, compact):
-    """A q block of decode tokens and a 2-token chunk over 8-bit pages on `generation`, whose
-    decode items take the compact form of at most `compact` rows: per-token scales (8 KV heads:
-    spread over the score columns by the MXU) or per-head static scales only (4 KV heads),
-    windowed, soft-capped, with sinks, against the f32 reference over the dequantised cache."""
+    rows the item does not own, G = 4 aligned and G = 3 straddling the quarters); a 2-4 token
+    chunk in the same q block takes the per-head path. Per-token scales (8 KV heads: spread over
+    the score columns by the MXU) or per-head static scales only (4 KV heads), windowed,
+    soft-capped, with sinks, against the f32 reference over the dequantised cache."""
     g = hq // hkv
-    kv_dtype = jax.numpy.int8 if qdtype == "int8" else jax.numpy.float8_e4m3fn
-    assert tiling.compact_rows(kv_dtype, hkv, True, g, 16, token_scales, generation) == compact
+    assert tiling.compact_rows(jax.numpy.int8, hkv, True, g, 16, token_scales) == 4
     b = make_quantised(
         np.random.default_rng(hkv + hq), [1, 2, 1, 1], [200, 77, 256, 130], qdtype,
         hkv=hkv, hq=hq, tokens=16, num_slots=4,
     )  # fmt: skip
     kw = dict(sliding_window=150, soft_cap=30.0)
-    out = _quantised_call(b, token_scales, generation=generation, **kw)
+    out = _quantised_call(b, token_scales, **kw)
     ref = _quantised_ref(b, token_scales, **kw)
     live = int(b["cu"][-1])
     assert not out[live:].any()
     assert np.abs(out[:live] - ref[:live]).max() <= QUANT_KERNEL_TOL * np.abs(ref[:live]).max()
 
 
-@pytest.mark.parametrize("r", [4, 2])
-def test_quad_path_spreads_token_scales_exactly(r):
-    """The per-token scale spreading of the quad (r = 4) and e4m3 pair (r = 2) paths (kernel.py
-    `_spread_scales` with the `_write_spread_matrix` 0/1 matrix, on the MXU in the kernel)
-    reproduces every f32 scale bit for bit at its r columns, for scales using all 24 significant
-    bits over a wide exponent range (one bf16 part, or two, would round them)."""
+def test_quad_path_spreads_token_scales_exactly():
+    """The quad path's per-token scale spreading (kernel.py `_spread_scales` with the
+    `_write_spread_matrix` 0/1 matrix, on the MXU in the kernel) reproduces every f32 scale bit
+    for bit at its four columns, for scales using all 24 significant bits over a wide exponent
+    range (one bf16 part, or two, would round them)."""
     jnp = jax.numpy
     t = tiling.SPREAD_TOKENS
     rng = np.random.default_rng(3)
@@ -974,21 +956,21 @@ def test_quad_path_spreads_token_scales_exactly(r):
 
     out = pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct((4 * 8, r * t), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((3 * t, r * t), jnp.bfloat16)],
+        out_shape=jax.ShapeDtypeStruct((4 * 8, 4 * t), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((3 * t, 4 * t), jnp.bfloat16)],
         interpret=True,
     )(x)
-    want = np.concatenate([np.repeat(x[:, c * t : (c + 1) * t], r, axis=1) for c in range(4)])
+    want = np.concatenate([np.repeat(x[:, c * t : (c + 1) * t], 4, axis=1) for c in range(4)])
     assert np.asarray(out).tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("generation, shared", [("tpu7x", [4, 5, 6, 7]), ("v6e", [5, 7])])
-def test_8bit_quad_path_keeps_sequences_apart(generation, shared):
+def test_8bit_quad_path_keeps_sequences_apart():
     """A NaN in one valid e4m3 key and value (sequence 1, KV head 5) reaches that sequence's
-    token on the KV heads that share its matmuls (the other heads' probabilities are 0 at its
-    column, and 0 * NaN is NaN in the probability matmul): the quad of heads 4..7 (TPU7x), the
-    bit-decoded pair of heads 5 and 7 (v6e: the NaN code decoded as a NaN), and nothing else; a
-    NaN in stale slots past kv_len, per-token scales included, reaches nothing."""
+    token on the quad of KV heads 4..7 (the other heads' probabilities are 0 at its column, and
+    0 * NaN is NaN in the probability matmul, as in the pair path) and nothing else; a NaN in
+    stale slots past kv_len, per-token scales included, reaches nothing. (Interpret mode reads
+    the NaN code as NaN; the v5e chip's MXU reads it as 480 in the quads' bf16 x e4m3 matmuls,
+    benchmarks/fp8_mxu_probe.py, which keeps the sequences apart too.)"""
     b = make_quantised(
         np.random.default_rng(11), [1, 1, 1], [200, 77, 130], "fp8", hkv=8, hq=32, tokens=8,
     )  # fmt: skip
@@ -1001,10 +983,9 @@ def test_8bit_quad_path_keeps_sequences_apart(generation, shared):
     for sc in ("k_scale", "v_scale"):
         b[sc] = np.array(b[sc])
         b[sc][b["pt"][2, 1], :, 130 - QPS :] = np.nan
-    out = _quantised_call(b, True, caches=(k, v), generation=generation)
+    out = _quantised_call(b, True, caches=(k, v))
     poisoned = np.zeros(out.shape[:2], bool)
-    for h in shared:  # token 1 is sequence 1's; the query heads of these KV heads
-        poisoned[1, 4 * h : 4 * h + 4] = True
+    poisoned[1, 4 * 4 : 8 * 4] = True  # token 1 is sequence 1's; query heads of KV heads 4..7
     assert np.isnan(out[poisoned]).all()
     live = int(b["cu"][-1])
     clean = ~poisoned[:live]
@@ -1137,17 +1118,9 @@ def test_compute_path_rule_shared_by_cost_model_and_benchmarks():
     assert tiling.compact_rows(bf16, 8, True, 16, 16) == 0  # G = 16: a token fills the slice
     assert tiling.compact_rows(bf16, 8, False, 4, 16) == 0  # head-major: no pairs
     assert tiling.compact_rows(i8, 8, True, 4, 16, token_scales=True) == 4
-    assert tiling.compact_rows(e4m3, 4, True, 4, 16, generation="tpu7x") == 4  # static scales
+    assert tiling.compact_rows(e4m3, 4, True, 4, 16) == 4  # static scales: 4 heads suffice
     assert tiling.compact_rows(i8, 4, True, 4, 16, token_scales=True) == 0
     assert tiling.compact_rows(i8, 8, True, 8, 16) == 0  # G = 8: half the slice
-    # e4m3 on v5e / v6e: bit-decoded pairs, items of at most half the slice (G <= 8); TPU7x
-    # converts natively and keeps the quads.
-    assert tiling.compact_rows(e4m3, 8, True, 8, 16, True, "v5e") == 8
-    assert tiling.compact_rows(e4m3, 8, True, 4, 16, True, "v6e") == 8
-    assert tiling.compact_rows(e4m3, 8, True, 4, 16, True, "tpu7x") == 4
-    assert tiling.compact_rows(e4m3, 4, True, 4, 16, True, "v6e") == 0  # token scales: 8k heads
-    assert tiling.compact_rows(e4m3, 8, True, 4, 16, False, "v6e") == 4  # head scales: quads
-    assert tiling.compact_rows(i8, 8, True, 4, 16, True, "v6e") == 4
     runs = tiling.path_runs(
         [(0, 0, 0, 2), (0, 1, 0, 1), (0, 2, 0, 3), (0, 3, 0, 0)], [1, 3, 12, 1],
         compact=8, **kw,
@@ -1253,9 +1226,9 @@ def test_decode_cost_ranks_kv_blocks_by_unit_counts():
     """decode_cost carries the unit counts (the model no longer falls back to the MXU FLOP
     floor): at the named decode batch, larger KV blocks rank faster on every generation (fewer
     per-item and per-step fixed bundles), block_q alone changes nothing (left to the preference
-    order), and e4m3 pages make that batch compute-bound where the bf16 head-major one is
-    DMA-bound (the dumps' VALU-bound fp8 paths), except on v5e, where the bit-decoded pairs
-    (kernel.py `_e4m3_pair`) bring it under its DMA time as the compiled schedule does."""
+    order), and 8-bit pages with per-token scales cost less compute per byte with e4m3 (the quads'
+    bf16 x e4m3 matmuls, nothing widened) than with int8, DMA-bound on v5e / v6e and, at 8-page
+    KV blocks, still compute-bound on TPU7x, as the dumps are."""
     gens = tiling._generations
     kw = dict(
         num_tokens=64,
@@ -1293,8 +1266,12 @@ def test_decode_cost_ranks_kv_blocks_by_unit_counts():
             ) + gens.step_bundles(gen, step_vregs=c.step_vregs, grid_steps=c.work_items)
             return (bundles / gen.clock_hz) / (c.hbm_bytes / gen.hbm_bytes_per_s)
 
-        fp8 = compute_over_dma(cost(8, kv_dtype="float8_e4m3fn", token_major=True))
-        assert (fp8 < 1) if name == "v5e" else (fp8 > 1), (name, fp8)
+        e4m3, int8 = (
+            compute_over_dma(cost(8, kv_dtype=dt, token_major=True, token_scales=True))
+            for dt in ("float8_e4m3fn", "int8")
+        )
+        assert e4m3 < int8, (name, e4m3, int8)
+        assert (e4m3 > 1) if name == "tpu7x" else (e4m3 < 1), (name, e4m3)
         assert compute_over_dma(cost(8)) < 1
 
 
@@ -1306,7 +1283,9 @@ def test_8bit_token_major_decode_is_exact_for_every_byte(dtype):
     the e4m3 NaN codes 0x7F / 0xFF aside, which no writer stores for a finite value)."""
     jnp = jax.numpy
     hkv, tokens, d = 4, 64, 128
-    raw, slot = _every_byte_slot(dtype, hkv, tokens, d, seed=7)
+    codes = np.arange(tokens * hkv * d, dtype=np.int64) % 256
+    raw = np.random.default_rng(7).permutation(codes).astype(np.uint8).reshape(1, tokens * hkv, d)
+    slot = jnp.asarray(raw).view(dtype) if dtype != "uint8" else jnp.asarray(raw)
 
     def body(buf, out):
         words = {}
@@ -1320,42 +1299,6 @@ def test_8bit_token_major_decode_is_exact_for_every_byte(dtype):
     finite = np.isfinite(want)
     assert finite.sum() >= want.size * 254 // 256
     np.testing.assert_array_equal(np.asarray(got)[finite], want[finite])
-
-
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "uint8"])
-def test_e4m3_pair_decode_is_exact_for_every_byte(dtype):
-    """`_e4m3_pair` (the v5e / v6e e4m3 pair path's bit moves) gives every one of the 256 byte
-    values, for each of the four heads a word holds, as the e4m3 value times 2**-E4M3_RAW_SHIFT
-    exactly, in the row its pair puts it (row 2t + k: token t of `_e4m3_pair_heads(m)[k]`),
-    and the NaN codes 0x7F / 0xFF as NaN."""
-    jnp = jax.numpy
-    hkv, tokens, d = 8, 32, 128
-    raw, slot = _every_byte_slot(dtype, hkv, tokens, d, seed=9)
-
-    def body(buf, out):
-        for m in range(hkv // 2):
-            # slot as an array: interpret mode's discharge rejects a Python int beside a stride
-            out[m] = kernel._e4m3_pair(buf, jnp.int32(0), m, hkv, tokens).astype(jnp.float32)
-
-    got = np.asarray(_interpret_call(body, slot, (hkv // 2, 2 * tokens, d)), np.float64)
-    value = raw.view(jnp.float8_e4m3fn).astype(np.float64).reshape(tokens, hkv, d)
-    for m in range(hkv // 2):
-        for k, h in enumerate(kernel._e4m3_pair_heads(m)):
-            want = value[:, h] * 2.0**-kernel.E4M3_RAW_SHIFT
-            np.testing.assert_array_equal(got[m, k::2], want)  # NaN where want is NaN
-    assert sorted({h for m in range(hkv // 2) for h in kernel._e4m3_pair_heads(m)}) == list(
-        range(hkv)
-    )
-
-
-def _every_byte_slot(dtype, hkv, tokens, d, seed):
-    """(raw uint8 [1, tokens * hkv, d] holding every byte value equally often in random order,
-    the same slot as a `dtype` array: uint8 as it is, int8 / float8 viewed)."""
-    codes = np.arange(tokens * hkv * d, dtype=np.int64) % 256
-    raw = np.random.default_rng(seed).permutation(codes).astype(np.uint8)
-    raw = raw.reshape(1, tokens * hkv, d)
-    x = jax.numpy.asarray(raw)
-    return raw, x.view(dtype) if dtype != "uint8" else x
 
 
 def _interpret_call(body, x, out_shape):

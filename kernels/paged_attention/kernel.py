@@ -50,18 +50,16 @@ score kept where the key's head is the row's (compute_head_pairs). A decode toke
 the 16 narrow rows, so head 2m + 1's rows ride 8 rows away in the same 16-row block, in rows the
 item does not own (compact form); an item of more rows stacks the pair's rows, [32, D]. 8-bit
 slots on the narrow path are taken four heads at a time by items of at most 4 of the 16 rows (a
-decode token of G <= 4): the quad's words bitcast to [4 * kv_tok, D] 8-bit keys, widened to bf16
-whole, and heads 4j + 1..3's q rows ride in rows the item does not own (compute_head_quads);
-on v5e and v6e, which have no 8-bit float unit, e4m3 pages with per-token scales go instead to
-the pair path (G <= 8): each quad's words give two pairs of heads by moving bits (`_e4m3_pair`:
-bytes 0 and 2, 1 and 3 into bf16 halves, the exponent left unbiased), half the score work of a
-quad. Other 8-bit items unpack per head. The whole-q-block path widens each head's half of a word to
+decode token of G <= 4): the quad's words bitcast to [4 * kv_tok, D] 8-bit keys, which go as
+they are into bf16 x 8-bit matmuls (Mosaic converts them on the way into the MXU), and heads
+4j + 1..3's q rows ride in rows the item does not own (compute_head_quads);
+other 8-bit items unpack per head. The whole-q-block path widens each head's half of a word to
 f32 by a shift. The rest of the schedule is the head-major one. New tokens are written by
 `write_kv_token_major`, a second Pallas kernel in the same call: one DMA per token and cache
 moves the token's contiguous [Hkv, D] row into its page, the caches aliased to its outputs. Quantised pages carry per-token-per-head scales
 ([num_blocks, Hkv, block_size], one lane-aligned row per page, DMA'd with the page) that multiply
 the scores (K) and the probabilities (V), and/or per-head scales (SMEM); the MXU sees the 8-bit
-values exactly widened to bf16. Attention sinks start each row's running max at its sink logit
+values exactly. Attention sinks start each row's running max at its sink logit
 and its denominator at 1.
 """
 
@@ -154,64 +152,20 @@ def _token_major_head_8bit(
     return pltpu.bitcast(bits, jnp.float32).astype(jnp.bfloat16)
 
 
-# e4m3 pages decoded by `_e4m3_pair`'s bit moves reach the MXU as bf16 with e4m3's exponent field
-# unbiased: every value times 2**-E4M3_RAW_SHIFT (bf16's bias 127 less e4m3's 7). q and the
-# probabilities go in times 2**RAW_Q_SHIFT, exactly (powers of two), so that the matmuls'
-# products stay in f32's normal range (a product of q ~ 1e-2 and a raw key ~ 2**-126 would be
-# flushed to zero), and the scores and the accumulator's update are scaled back by the rest.
-E4M3_RAW_SHIFT = 120
-RAW_Q_SHIFT = 64
-
-
-def _e4m3_pair_heads(m: int) -> tuple[int, int]:
-    """The two KV heads of e4m3 pair m (`_e4m3_pair`): bytes 0 and 2 (m even) or 1 and 3 (m odd)
-    of the words of quad m // 2."""
-    j, k = divmod(m, 2)
-    return 4 * j + k, 4 * j + k + 2
-
-
-def _e4m3_pair(buf, slot, m: int, hkv: int, kv_tok: int):
-    """Pair m's keys (or values) of an e4m3 token-major slot as [2 * kv_tok, D] bf16, row 2t + k =
-    token t of head `_e4m3_pair_heads(m)[k]`: what compute_head_pairs takes from a 16-bit slot's
-    words as they are. For v5e and v6e, which have no 8-bit float unit: Mosaic's emulated e4m3 ->
-    bf16 widening costs ~4 VALU ops per f32 vreg of keys (tiling.QUAD_WIDEN_VALU).
-
-    A uint32 word of the slot holds one token of heads 4j..4j+3 (byte k = head 4j + k), loaded
-    sublane-strided for quad j. Bytes 0 and 2 (pair 2j) or 1 and 3 (pair 2j + 1) are moved into
-    the two bf16 halves of a word, the sign to bit 15, the 4 exponent and 3 mantissa bits just
-    below it as bf16's exponent and top mantissa bits, unbiased: the value times
-    2**-E4M3_RAW_SHIFT exactly (zero stays zero, subnormals become bf16 subnormals). The NaN
-    codes (magnitude 0x7F) get bf16's all-ones exponent, found by the carry of magnitude + 1:
-    10 and 9 ops per word of two values."""
-    j, k = divmod(m, 2)
-    view = buf.bitcast(jnp.uint32)
-    w = view[slot] if hkv == 4 else view[slot, pl.ds(j, kv_tok, stride=hkv // 4), :]
-    if k == 0:
-        mag = w & jnp.uint32(0x007F007F)
-        nan = (mag + jnp.uint32(0x00010001)) & jnp.uint32(0x00800080)  # bit 7 of a NaN's half
-        bits = (mag << 4) | ((w & jnp.uint32(0x00800080)) << 8) | ((nan << 8) - nan)
-    else:
-        mag = w & jnp.uint32(0x7F007F00)
-        nan = (mag + jnp.uint32(0x01000100)) & jnp.uint32(0x80008000)  # bit 15 of a NaN's half
-        bits = (mag >> 4) | (w & jnp.uint32(0x80008000)) | (nan - (nan >> 8))
-    return pltpu.bitcast(bits, jnp.bfloat16)
-
-
 def _write_spread_matrix(ref):
-    """ref [3 * T, r * T] bf16 (T = tiling.SPREAD_TOKENS) := the 0/1 matrix whose row (part, t)
-    is 1 at columns r * t .. r * t + r - 1, the same block for each of the three bf16 parts of an
-    f32 scale. Written once per call, one bf16 sublane tile of rows at a time in a rolled loop
+    """ref [3 * T, 4 * T] bf16 (T = tiling.SPREAD_TOKENS) := the 0/1 matrix whose row (part, t)
+    is 1 at columns 4t..4t+3, the same block for each of the three bf16 parts of an f32 scale.
+    Written once per call, one bf16 sublane tile of rows at a time in a rolled loop
     (straight-line, its 96 vregs were ~160 bundles of every grid step's code)."""
     T = tiling.SPREAD_TOKENS
-    r = ref.shape[1] // T
     rows = tiling.row_tile(jnp.bfloat16)
-    shape = (rows, r * T)
+    shape = (rows, 4 * T)
 
     def tile(c, carry):
         r0 = pl.multiple_of(c * rows, rows)
         t = lax.rem(r0 + lax.broadcasted_iota(jnp.int32, shape, 0), T)
         n = lax.broadcasted_iota(jnp.int32, shape, 1)
-        ref[pl.ds(r0, rows), :] = (lax.div(n, r) == t).astype(jnp.bfloat16)
+        ref[pl.ds(r0, rows), :] = ((n >> 2) == t).astype(jnp.bfloat16)
         return carry
 
     lax.fori_loop(0, 3 * T // rows, tile, 0)
@@ -219,10 +173,10 @@ def _write_spread_matrix(ref):
 
 def _spread_scales(x, repeat):
     """x [rows, tokens] f32 (tokens a multiple of T = tiling.SPREAD_TOKENS), repeat the
-    `_write_spread_matrix` matrix [3 * T, r * T] -> [tokens / T * rows, r * T] f32 whose row
-    c * rows + h, column n is x[h, c * T + n // r], exactly: x cut in T-token chunks stacked along
-    rows, split into three bf16 parts (8 + 8 + 8 significant bits) laid side by side, times the
-    0/1 matrix on the MXU, which sums the three exact products in f32."""
+    `_write_spread_matrix` matrix -> [tokens / T * rows, 4 * T] f32 whose row c * rows + h,
+    column n is x[h, c * T + n // 4], exactly: x cut in T-token chunks stacked along rows, split
+    into three bf16 parts (8 + 8 + 8 significant bits) laid side by side, times the 0/1 matrix
+    on the MXU, which sums the three exact products in f32."""
     t = tiling.SPREAD_TOKENS
     chunks = [x[:, c * t : (c + 1) * t] for c in range(x.shape[1] // t)]
     lhs = jnp.concatenate(chunks, axis=0)
@@ -294,7 +248,6 @@ def _paged_kernel(
     static_scales: bool = False,
     sinks: bool = False,
     quad_heads: bool = False,
-    e4m3_pairs: bool = False,
 ):
     q_ref = refs[0]
     caches = refs[1 : 1 + n_arr]
@@ -312,9 +265,7 @@ def _paged_kernel(
     refs = refs[1 + n_arr :]
     if token_scales:  # VMEM slots of the items' scales: [2, Hkv, pages * block_size] each
         scale_bufs, refs = refs[:2], refs[2:]
-    # e4m3 pairs always have per-token scales (their 2**RAW_Q_SHIFT rides on the V scales).
-    assert token_scales or not e4m3_pairs
-    if (quad_heads or e4m3_pairs) and token_scales:  # spread_token_scales' matrix and output
+    if quad_heads and token_scales:  # compute_head_quads' per-token scale spreading
         repeat_ref, spread_refs, refs = refs[0], refs[1:3], refs[3:]
     sem = refs[0]
     refs = refs[1:]
@@ -490,7 +441,7 @@ def _paged_kernel(
         fetch(j, lax.rem(j, 2), start=True)
         return carry
 
-    if (quad_heads or e4m3_pairs) and token_scales:
+    if quad_heads and token_scales:
 
         @pl.when(b == 0)
         def _():
@@ -609,65 +560,7 @@ def _paged_kernel(
             tok = blk_tok0 + lax.div(r0 + (lax.rem(r, nr) if copies > 1 else r), group)
             return (tok >= q_start) & (tok < q_end)
 
-        def spread_token_scales(r: int):
-            """The item's per-token K and V scales spread over score columns for the paths that
-            key r KV heads' tokens into one matmul (column r * t + k: head k's token t): the
-            slot's [Hkv, kv_tok] scales cut in 128-token chunks, rows (chunk, head), times the 0/1
-            matrix repeating each token's scale over r columns (`_spread_scales`, once per item
-            for all heads) give [chunks * Hkv, r * 128], row (c, h) column n = head h's scale of
-            token 128c + n // r, stored as r lane blocks [r, chunks * Hkv, 128] (Mosaic's strided
-            loads need 128-lane rows). A lane interleave of r heads' scale rows has no Mosaic op:
-            the MXU makes it, exactly (the f32 scales go in as three bf16 parts)."""
-            t = tiling.SPREAD_TOKENS
-            for a in range(2):
-                x = scale_bufs[a][slot]  # [Hkv, kv_tok]
-                tok = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-                # Stale slots may hold NaN: it would spread over its whole chunk row.
-                x = jnp.where(tok < valid_keys(), x, 0.0)
-                spread = _spread_scales(x, repeat_ref[...])
-                for b in range(r):
-                    spread_refs[a][b] = spread[:, b * t : (b + 1) * t]
-
-        def by_columns(x, a, heads, factor=1.0):
-            """x [rows, r * kv_tok] (column r * t + k: token t of KV head heads[k]) times those
-            heads' per-token scales of cache a at its columns, times `factor` (a constant riding
-            on the [chunks, r * 128] scales, not on every score)."""
-            r = len(heads)
-            width = r * tiling.SPREAD_TOKENS
-            lane = lax.broadcasted_iota(jnp.int32, (spread_chunks, width), 1) & (r - 1)
-            cols = [
-                jnp.concatenate(
-                    [
-                        spread_refs[a].at[b][pl.ds(h, spread_chunks, stride=num_kv_heads), :]
-                        for b in range(r)
-                    ],
-                    axis=1,
-                )
-                for h in heads
-            ]
-            e = cols[-1]
-            for k in reversed(range(r - 1)):
-                e = jnp.where(lane == k, cols[k], e)
-            if factor != 1.0:
-                e = e * factor
-            return jnp.concatenate(
-                [x[:, c * width : (c + 1) * width] * e[c : c + 1] for c in range(spread_chunks)],
-                axis=1,
-            )
-
         def compute(r0, nr: int):
-            if nr == narrow and e4m3_pairs:
-                # An item of at most nr / 2 rows (a decode token of G <= 8 heads) takes the pair
-                # path's compact form; larger items (prefill chunks) the per-head one.
-                @pl.when(r_hi - r_lo <= nr // 2)
-                def _():
-                    compute_head_pairs(r0, nr, compact=True)
-
-                @pl.when(r_hi - r_lo > nr // 2)
-                def _():
-                    compute_per_head(r0, nr)
-
-                return
             if nr == narrow and quad_heads:
                 # An item of at most nr / 4 rows (a decode token of G <= 4 heads) takes the quad
                 # path; larger items (prefill chunks) the per-head one.
@@ -778,31 +671,21 @@ def _paged_kernel(
                     update(h, *scores(h))
 
         def compute_head_pairs(r0, nr: int, compact: bool):
-            """The narrow path two KV heads at a time. 16-bit token-major pages: a uint32 word of
-            the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
+            """The narrow path over 16-bit token-major pages, two KV heads at a time: a uint32 word
+            of the slot holds heads 2m and 2m + 1 of one token, so the pair's words bitcast to
             [2 * kv_tok, D] with row 2t + k = token t of head 2m + k: keys exactly as the MXU takes
             them, nothing unpacked (the per-head path moved every word's half to an f32 word and
-            packed it back: 2 of every 3 VALU ops of a decode step). e4m3 pages on v5e / v6e
-            (`e4m3_pairs`, compact form only, with per-token scales): a word holds one token of
-            heads 4j..4j+3, and `_e4m3_pair` makes two such pair words of it. Every q row meets
-            all 2 * kv_tok key rows; a score is kept where the key's head (column parity) is the
-            row's head.
+            packed it back: 2 of every 3 VALU ops of a decode step). Every q row meets all 2 * kv_tok
+            key rows; a score is kept where the key's head (column parity) is the row's head.
 
             Which q rows go to the MXU. Stacked (`compact=False`): the pair's rows, [2 * nr, D]
-            (head h0's nr rows, then head h1's). Compact (`compact=True`, an item holding at most
+            (head 2m's nr rows, then head 2m + 1's). Compact (`compact=True`, an item holding at most
             nr / 2 of the rows, as a decode token of G <= 8 heads does): one [nr, D] block, the
-            item's own rows of head h0 in place and head h1's row r in row r +- nr / 2, a row the
+            item's own rows of head 2m in place and head 2m + 1's row r in row r +- nr / 2, a row the
             item does not own. The other rows are other sequences' tokens whose scores would be
             dropped anyway, so the compact block does the same work on half the score vregs. The
             rotation by nr / 2 is a swap of two f32 vreg rows (nr = 16); rows that are neither are
-            computed and never stored.
-
-            8-bit scales: per-head static scales are per row (the row's head); per-token scales
-            multiply the scores and the probabilities by columns (`by_columns`). e4m3 pages
-            decoded by `_e4m3_pair`'s bit moves hold every value times 2**-120 (E4M3_RAW_SHIFT):
-            q goes in times 2**RAW_Q_SHIFT and the probabilities too, so no product of the
-            matmuls leaves f32's normal range, and the scores and the accumulator's update are
-            scaled back by what remains."""
+            computed and never stored."""
             half = nr // 2
             lhs_rows = nr if compact else 2 * nr
             shape = (lhs_rows, 2 * kv_tok)
@@ -810,7 +693,7 @@ def _paged_kernel(
             col = lax.broadcasted_iota(jnp.int32, shape, 1)
             if compact:
                 own = own_rows(r0, nr)
-                row_head = jnp.logical_not(own)  # not the item's: head h1's row r +- nr / 2
+                row_head = jnp.logical_not(own)  # not the item's: head 2m + 1's row r +- nr / 2
                 q_row = r0 + jnp.where(own, row, jnp.where(row < half, row + half, row - half))
             else:
                 own = own_rows(r0, nr, copies=2)
@@ -827,18 +710,8 @@ def _paged_kernel(
             # first); log2(e) rides on the score scale, the statistics are converted on load / store.
             log2e = math.log2(math.e)
             rs = pl.ds(r0, nr)
-            raw = e4m3_pairs
-            # The e4m3 bit decode's 2**-120 per operand, less q's and p's 2**RAW_Q_SHIFT.
-            unshift = 2.0 ** (E4M3_RAW_SHIFT - RAW_Q_SHIFT) if raw else 1.0
-
-            def heads(m):
-                return _e4m3_pair_heads(m) if e4m3_pairs else (2 * m, 2 * m + 1)
 
             def pair_kv(m):
-                if e4m3_pairs:
-                    return tuple(
-                        _e4m3_pair(bufs[a], slot, m, num_kv_heads, kv_tok) for a in range(2)
-                    )
                 return tuple(
                     pltpu.bitcast(
                         bufs[a].bitcast(jnp.uint32)[
@@ -852,57 +725,35 @@ def _paged_kernel(
             def swap_halves(x):
                 return jnp.concatenate([x[half:], x[:half]], axis=0)
 
-            def per_row(values):
-                """[nr, 1] (compact form): values[0] on head h0's rows, values[1] on h1's."""
-                return jnp.where(row_head, values[1], values[0])
-
-            def load(ref, m, factor=None):
-                """(the pair's rows of `ref` as the LHS lays them out, both heads' rows as read),
-                times `factor` where given (q's raw-decode shift, exact)."""
-                h0, h1 = heads(m)
-                x0, x1 = ref[h0, rs, :], ref[h1, rs, :]
+            def load(ref, m):
+                """(the pair's rows of `ref` as the LHS lays them out, both heads' rows as read)."""
+                x0, x1 = ref[2 * m, rs, :], ref[2 * m + 1, rs, :]
                 if not compact:
                     return jnp.concatenate([x0, x1], axis=0), (x0, x1)
                 # 16-bit q: the row swap in f32, where it moves whole vregs.
                 y = jnp.where(own, x0.astype(jnp.float32), swap_halves(x1.astype(jnp.float32)))
-                if factor is not None:
-                    y = y * factor
                 return y.astype(x0.dtype), (x0, x1)
 
             def store(ref, m, x, read):
-                h0, h1 = heads(m)
                 if compact:
-                    ref[h0, rs, :] = jnp.where(own, x, read[0])
-                    ref[h1, rs, :] = jnp.where(own, swap_halves(x), read[1])
+                    ref[2 * m, rs, :] = jnp.where(own, x, read[0])
+                    ref[2 * m + 1, rs, :] = jnp.where(own, swap_halves(x), read[1])
                 else:
-                    for k, h in enumerate((h0, h1)):
-                        ref[h, rs, :] = x[k * nr : (k + 1) * nr]
-
-            if token_scales:
-                spread_token_scales(2)
+                    for k in range(2):
+                        ref[2 * m + k, rs, :] = x[k * nr : (k + 1) * nr]
 
             def scores(m):
                 k, v = pair_kv(m)
-                q = load(q_ref, m, 2.0**RAW_Q_SHIFT if raw else None)[0]
                 s = jax.lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    load(q_ref, m)[0],
+                    k,
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
                 )
-                # The softmax scale (and log2(e), or 1 / soft cap, and the raw decode's shift)
-                # rides on the column scales where there are any, else on the per-row static
-                # scales, else it is one multiply.
-                factor = sm_scale / soft_cap if soft_cap is not None else sm_scale * log2e
-                factor *= unshift
-                if token_scales and not static_scales:
-                    s = by_columns(s, 0, heads(m), factor)
-                else:
-                    if token_scales:
-                        s = by_columns(s, 0, heads(m))
-                    if static_scales:
-                        h0, h1 = heads(m)
-                        factor = per_row((static_ref[0, h0], static_ref[0, h1])) * factor
-                    s = s * factor
                 if soft_cap is not None:
-                    s = jnp.tanh(s) * (soft_cap * log2e)
+                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log2e)
+                else:
+                    s = s * (sm_scale * log2e)
                 return jnp.where(keep, s, -jnp.inf), v
 
             def update(m, s, v):
@@ -910,21 +761,12 @@ def _paged_kernel(
                 l_prev, l_read = load(l_ref, m)
                 acc_prev, acc_read = load(acc_ref, m)
                 m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
-                # V's per-token scales and the raw decode's shift (raw pages always have per-token
-                # scales: tiling.e4m3_pairs) fold into the probabilities.
-                if token_scales:
-                    p = by_columns(p, 1, heads(m), 2.0**RAW_Q_SHIFT if raw else 1.0)
                 pv = jax.lax.dot_general(
                     p.astype(v.dtype),
                     v,
                     (((1,), (0,)), ((), ())),
                     preferred_element_type=jnp.float32,
                 )
-                if static_scales:
-                    h0, h1 = heads(m)
-                    pv = pv * (per_row((static_ref[1, h0], static_ref[1, h1])) * unshift)
-                elif raw:
-                    pv = pv * unshift
                 acc_new = alpha * acc_prev + pv
                 if not compact:  # the compact store selects the own rows itself
                     acc_new = jnp.where(own, acc_new, acc_prev)
@@ -940,9 +782,20 @@ def _paged_kernel(
             """The narrow path over 8-bit token-major pages for an item of at most nr / 4 rows (a
             decode token of G <= 4 query heads per KV head), four KV heads at a time: a uint32 word of
             the slot holds one token of heads 4j..4j+3, so the quad's words bitcast to 8-bit
-            [4 * kv_tok, D] keys with row 4t + k = token t of head 4j + k, and Mosaic widens them to
-            bf16 as a whole (one unpack per bf16 vreg on v6e / TPU7x; the per-head path extracted
-            each head's byte from every word with shifts and, for e4m3, an integer decode).
+            [4 * kv_tok, D] keys with row 4t + k = token t of head 4j + k (the per-head path
+            extracts each head's byte from every word with shifts and, for e4m3, an integer
+            decode). The 8-bit keys and values are not widened in VMEM: the score and probability
+            matmuls take a bf16 left operand and the 8-bit right one, which Mosaic converts on its
+            way into the MXU (int8: v5e's converts, v6e / TPU7x's matmul prep; e4m3: the MXU's
+            own 8-bit float load, on v5e / v6e as e4m3 with bias 11 after a select that turns -0
+            into 0, the products times 16 after; TPU7x natively). The widened [4 * kv_tok, D] bf16
+            copies cost e4m3 ~4,500 selects and compares per 1024-token step on v5e / v6e and
+            every 8-bit quad ~200-300 bundles of the step's code. Exact for every int8 value and
+            every finite e4m3 code, subnormals and -0 included (checked on a v5e chip for all 256
+            codes, benchmarks/fp8_mxu_probe.py); the e4m3 NaN codes 0x7F / 0xFF read as 480
+            there, where a widening gave NaN. Our writers store no NaN code for a finite value
+            (they clip to +-448), and a NaN written with per-token scales makes its scale NaN,
+            which the scores and probabilities carry.
 
             One [nr, D] left operand carries the four heads' q rows: the item's own rows
             [off, off + n) hold head 4j's, and head 4j + k's row r rides in row r + k * nr / 4
@@ -984,13 +837,55 @@ def _paged_kernel(
                 keep &= col >= 4 * (qpos - sliding_window + 1)
             log2e = math.log2(math.e)
             rs = pl.ds(r0, nr)
-            if token_scales:
-                spread_token_scales(4)
-
             byte_dtype = jnp.float8_e4m3fn if quant == "fp8" else jnp.int8
 
-            def quad(j):
-                return tuple(range(4 * j, 4 * j + 4))
+            if token_scales:
+
+                def spread_token_scales(a):
+                    x = scale_bufs[a][slot]  # [Hkv, kv_tok]
+                    tok = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                    # Stale slots may hold NaN: it would spread over its whole chunk row.
+                    x = jnp.where(tok < valid_keys(), x, 0.0)
+                    spread = _spread_scales(x, repeat_ref[...])
+                    # Stored as 4 lane blocks [4, chunks * Hkv, 128]: Mosaic's strided loads need
+                    # 128-lane rows.
+                    t = tiling.SPREAD_TOKENS
+                    for b in range(4):
+                        spread_refs[a][b] = spread[:, b * t : (b + 1) * t]
+
+                spread_token_scales(0)
+                spread_token_scales(1)
+
+                def by_columns(x, a, j, factor=1.0):
+                    """x [nr, 4 * kv_tok] times the quad's per-token scales of cache a at its
+                    columns (column 4t + k: head 4j + k's scale of token t), times `factor` (a
+                    constant riding on the [chunks, 512] scales, not on every score)."""
+                    width = 4 * tiling.SPREAD_TOKENS
+                    lane = lax.broadcasted_iota(jnp.int32, (spread_chunks, width), 1) & 3
+                    rows = [
+                        jnp.concatenate(
+                            [
+                                spread_refs[a].at[b][
+                                    pl.ds(4 * j + k, spread_chunks, stride=num_kv_heads), :
+                                ]
+                                for b in range(4)
+                            ],
+                            axis=1,
+                        )
+                        for k in range(4)
+                    ]
+                    e = rows[3]
+                    for k in (2, 1, 0):
+                        e = jnp.where(lane == k, rows[k], e)
+                    if factor != 1.0:
+                        e = e * factor
+                    return jnp.concatenate(
+                        [
+                            x[:, c * width : (c + 1) * width] * e[c : c + 1]
+                            for c in range(spread_chunks)
+                        ],
+                        axis=1,
+                    )
 
             def quad_kv(j):
                 def load(a):
@@ -999,7 +894,9 @@ def _paged_kernel(
                         w = view[slot]
                     else:
                         w = view[slot, pl.ds(j, kv_tok, stride=num_kv_heads // 4), :]
-                    return pltpu.bitcast(w, byte_dtype).astype(jnp.bfloat16)
+                    # 8-bit keys and values go into the matmuls as they are stored (bf16 x int8 /
+                    # e4m3: Mosaic converts them on the way into the MXU, nothing widened in VMEM).
+                    return pltpu.bitcast(w, byte_dtype)
 
                 return load(0), load(1)
 
@@ -1037,10 +934,10 @@ def _paged_kernel(
                 # there are any, else on the per-row static scales, else it is one multiply.
                 factor = sm_scale / soft_cap if soft_cap is not None else sm_scale * log2e
                 if token_scales and not static_scales:
-                    s = by_columns(s, 0, quad(j), factor)
+                    s = by_columns(s, 0, j, factor)
                 else:
                     if token_scales:
-                        s = by_columns(s, 0, quad(j))
+                        s = by_columns(s, 0, j)
                     if static_scales:
                         factor = per_row([static_ref[0, 4 * j + k] for k in range(4)]) * factor
                     s = s * factor
@@ -1054,7 +951,7 @@ def _paged_kernel(
                 acc_prev, acc_read = load(acc_ref, j)
                 m_new, alpha, p, l_new = _base2_softmax_step(m_prev, l_prev, s)
                 if token_scales:  # V's per-token scales fold into the probabilities
-                    p = by_columns(p, 1, quad(j))
+                    p = by_columns(p, 1, j)
                 pv = jax.lax.dot_general(
                     p.astype(jnp.bfloat16),
                     v,
@@ -1368,6 +1265,7 @@ def _attention(
         generation=generation,
         config=config,
         token_major=token_major,
+        token_scales=token_scales is not None,
     )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _cdiv(max(T, 1), bq) * bq
@@ -1419,14 +1317,8 @@ def _attention(
         pt_smem, pt_hbm = page_table.reshape(-1), []
 
     unpack_u32 = not _tpu_interpret_mode(interpret)
-    narrow = tiling.narrow_rows(group, rows)
-    e4m3_pairs = unpack_u32 and tiling.e4m3_pairs(
-        kv_dtype, hkv, group, narrow, token_scales is not None, generation
-    )
-    quad_heads = (
-        unpack_u32
-        and not e4m3_pairs
-        and tiling.quad_heads(kv_dtype, hkv, group, narrow, token_scales is not None, generation)
+    quad_heads = unpack_u32 and tiling.quad_heads(
+        kv_dtype, hkv, group, tiling.narrow_rows(group, rows), token_scales is not None
     )
     kernel = functools.partial(
         _paged_kernel,
@@ -1440,7 +1332,7 @@ def _attention(
         pages_per_seq=pages_per_seq,
         max_items=max_items,
         num_q_blocks=nqb,
-        narrow=narrow,
+        narrow=tiling.narrow_rows(group, rows),
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -1454,18 +1346,17 @@ def _attention(
         static_scales=head_scales is not None,
         sinks=sinks is not None,
         quad_heads=quad_heads,
-        e4m3_pairs=e4m3_pairs,
     )
     extra_in, extra_specs, scale_scratch = [], [], []
     if token_scales is not None:
         extra_in += token_scales
         extra_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
         scale_scratch = [pltpu.VMEM((2, hkv, ppb * page_size), jnp.float32) for _ in range(2)]
-        if quad_heads or e4m3_pairs:
-            t, r = tiling.SPREAD_TOKENS, 4 if quad_heads else 2
+        if quad_heads:
+            t = tiling.SPREAD_TOKENS
             scale_scratch += [
-                pltpu.VMEM((3 * t, r * t), jnp.bfloat16),
-            ] + [pltpu.VMEM((r, ppb * page_size // t * hkv, t), jnp.float32)] * 2
+                pltpu.VMEM((3 * t, 4 * t), jnp.bfloat16),
+            ] + [pltpu.VMEM((4, ppb * page_size // t * hkv, t), jnp.float32)] * 2
     if head_scales is not None:
         extra_in.append(head_scales)
         extra_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
@@ -1490,7 +1381,6 @@ def _attention(
         kv_dtype=kv_dtype,
         token_scales=token_scales is not None,
         sinks=sinks is not None,
-        generation=gen,
     )
     if token_major:
         # One flat [pages * page_size * Hkv, D] slot per cache: row t * Hkv + h.

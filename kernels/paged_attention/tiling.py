@@ -150,7 +150,7 @@ def step_loop_trips(
     (`schedule_model.scheduled_from_work(loop_trips=..., block_loop_trips=...)`).
 
     "block": the grid step's own loops, around its loop over the q block's items:
-    - `spread_matrix`: the quad or e4m3 pair path's 0/1 spreading matrix, written once per call;
+    - `spread_matrix`: the quad path's 0/1 spreading matrix, written once per call;
     - `init` / `write_back`: the q block's statistics and output, once per q block, in chunks of
       `output_row_chunk` rows (no loop when one chunk covers the block).
     "item": the loops of one item:
@@ -207,11 +207,9 @@ def vmem_need_bytes(
     kv_dtype,
     token_scales: bool = False,
     sinks: bool = False,
-    generation=None,
 ) -> int:
     rows = block_q * group
     kv_tokens = pages_per_block * page_size
-    narrow = narrow_rows(group, rows)
     kv_slots = 2 * kv_tokens * 2 * num_kv_heads * head_dim * _itemsize(kv_dtype)
     q_out = 2 * 2 * num_kv_heads * rows * head_dim * _itemsize(q_dtype)
     acc = num_kv_heads * rows * head_dim * 4
@@ -221,20 +219,10 @@ def vmem_need_bytes(
     # overran the limit asked for by ~0.1 MiB), and one head's keys and values widened.
     temps = 4 * rows * kv_tokens * 4 + 2 * kv_tokens * head_dim * 4
     scales = 2 * 2 * _round_up(num_kv_heads, 8) * kv_tokens * 4 if token_scales else 0
-    if e4m3_pairs(kv_dtype, num_kv_heads, group, narrow, token_scales, generation):
-        # kernel.py compute_head_pairs over `_e4m3_pair`: two pairs' keys and values decoded to
-        # bf16 in flight, [2 * kv_tokens, D] each; with per-token scales the 0/1 spreading
-        # matrix and the spread K and V scales over 2 columns per token.
-        temps += 2 * 2 * 2 * kv_tokens * head_dim * 2
-        if token_scales:
-            t = SPREAD_TOKENS
-            scales += 3 * t * 2 * t * 2 + 2 * (kv_tokens // t) * num_kv_heads * 2 * t * 4
-    if quad_heads(kv_dtype, num_kv_heads, group, narrow, token_scales, generation):
-        # kernel.py compute_head_quads: two quads' keys and values widened to bf16 in flight
-        # (the next quad's score matmul is traced before this one's probabilities), [4 *
-        # kv_tokens, D] each; with per-token scales the 0/1 spreading matrix and the spread K and
-        # V scales.
-        temps += 2 * 2 * 4 * kv_tokens * head_dim * 2
+    if quad_heads(kv_dtype, num_kv_heads, group, narrow_rows(group, rows), token_scales):
+        # kernel.py compute_head_quads: the 8-bit keys and values go to the MXU as stored
+        # (nothing widened in VMEM); with per-token scales the 0/1 spreading matrix and the
+        # spread K and V scales.
         if token_scales:
             t = SPREAD_TOKENS
             scales += 3 * t * 4 * t * 2 + 2 * (kv_tokens // t) * num_kv_heads * 4 * t * 4
@@ -255,11 +243,16 @@ def choose_config(
     generation: str | TpuGeneration | None = None,
     config: PagedAttentionConfig | None = None,
     token_major: bool = False,
+    token_scales: bool | None = None,
 ) -> PagedAttentionConfig:
     """Fill the `None` fields of `config` for this generation: the candidates that fit the VMEM
     budget model, ranked by the shared model on `decode_cost` (`token_major`: the unit counts of
-    token-major pages; 8-bit caches are always token-major)."""
+    token-major pages; 8-bit caches are always token-major; `token_scales`: 8-bit pages with
+    per-token scales, whose VMEM slots and column multiplies the budget and the ranking count;
+    None: 8-bit caches have them)."""
     gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
+    if token_scales is None:
+        token_scales = _itemsize(kv_dtype) == 1
     config = config or PagedAttentionConfig()
     group = num_q_heads // num_kv_heads
     align = row_align(group)
@@ -276,7 +269,7 @@ def choose_config(
         head_dim=head_dim,
         q_dtype=q_dtype,
         kv_dtype=kv_dtype,
-        generation=gen,
+        token_scales=token_scales,
     )
     max_tokens = _round_up(max(num_tokens, 1), align)
 
@@ -333,6 +326,7 @@ def choose_config(
                 block_q=c[0],
                 pages_per_block=c[1],
                 token_major=token_major,
+                token_scales=token_scales,
             ),
         )
         for c in candidates
@@ -413,11 +407,13 @@ def choose_config(
 #   vregs and nothing spilled: COMPACT_PAIR_LOAD_FACTOR, fitted on the same points' compact
 #   regions (each dump holds both forms; the stacked one still checks PAIR_LOAD_FACTOR);
 # - 8-bit pages on the narrow path: a decode item takes the quad path (`quad_heads`, kernel.py
-#   compute_head_quads: four KV heads per pass, the keys and values widened to bf16 whole), as
-#   many score vregs and MXU pushes as the per-head path, VALU-bound: QUAD_VALU_PER_SCORE_VREG
-#   VALU ops per f32 score vreg (mask, softmax, the q / statistics rotations, bf16 packing),
-#   QUAD_WIDEN_VALU[cache] per f32 vreg of keys and values (int8: Mosaic's unpack, 0.5 on v6e /
-#   TPU7x as counted, one op per bf16 vreg; e4m3: native on TPU7x, emulated on v5e / v6e),
+#   compute_head_quads: four KV heads per pass, the 8-bit keys and values straight into bf16 x
+#   8-bit matmuls), as many score vregs and MXU pushes as the per-head path, VALU-bound:
+#   QUAD_VALU_PER_SCORE_VREG VALU ops per f32 score vreg (mask, softmax, the q / statistics
+#   rotations, bf16 packing), QUAD_WIDEN_VALU[cache] per f32 vreg of keys and values (what
+#   Mosaic's conversion on the way into the MXU costs: int8 v5e's converts, v6e / TPU7x's matmul
+#   prep; e4m3 the select of -0 on v5e / v6e, nothing on TPU7x; refitted per generation on the
+#   8-bit points when the quads stopped widening in VMEM),
 #   QUAD_HEAD_VALU per KV head (what does not scale with the keys) and, with per-token scales,
 #   QUAD_TOKEN_SCALE_VALU per score vreg (the scales spread on the MXU, their selects and the two
 #   column multiplies) in place of the per-head path's 3; per generation, fitted on the re-dumped
@@ -433,7 +429,11 @@ def choose_config(
 #   two page loops without partial-page chunks, PAGED_SCALE_STREAM_SHARE of a stream each (the
 #   dumps put them at +75-107 bundles a step over per-head scales, but the step model's base
 #   is off by -13% to +8% per generation on the 8-bit steps: 0.1 is the smallest share with the
-#   smallest worst busy-step error over the calibration points, 4.5%, flat from 0.1 to 0.2).
+#   smallest worst busy-step error over the calibration points, 4.5%, flat from 0.1 to 0.2);
+#   a kernel whose decode items take the quad path compiles a smaller step (587-636 bundles at
+#   8 pages with per-token scales; 812-932 when the quads widened their keys in VMEM): the step
+#   model less QUAD_STEP_VREGS, per generation the value with the least worst busy-step error
+#   over its 8-bit points (1.9% / 1.7% / 6.0% on v5e / v6e / TPU7x).
 PAGED_LOAD_ISSUE = {"v5e": 1.34, "v6e": 1.58, "tpu7x": 2.88}
 PAGED_HEAD_LOADS = {"v5e": 40.0, "v6e": 20.0, "tpu7x": 10.0}
 PAGED_VALU_PER_SCORE_VREG = 10.7
@@ -450,26 +450,17 @@ PAIR_LOAD_FACTOR = 1.3
 COMPACT_PAIR_LOAD_FACTOR = 0.94
 QUAD_VALU_PER_SCORE_VREG = {"v5e": 12.0, "v6e": 12.0, "tpu7x": 14.2}
 QUAD_WIDEN_VALU = {
-    "int8": {"v5e": 1.2, "v6e": 0.5, "tpu7x": 0.5},
-    "float8_e4m3fn": {"v5e": 4.1, "v6e": 4.6, "tpu7x": 0.5},
+    "int8": {"v5e": 1.05, "v6e": 0.5, "tpu7x": 0.5},
+    "float8_e4m3fn": {"v5e": 0.3, "v6e": 0.27, "tpu7x": 0.0},
 }
-# `_e4m3_pair`'s VALU ops per f32 vreg of keys and values on the e4m3 pair path (v5e / v6e, with
-# PAIR_VALU_PER_SCORE_VREG and QUAD_TOKEN_SCALE_VALU for its scores and scales): the value with
-# the least worst error over the re-dumped e4m3 points at 4 and 8 pages on both generations
-# (3.3%). The code has 19 ops per word of 4 f32 vregs (4.75 each); the compiled path takes
-# fewer bundles than that count predicts.
-E4M3_PAIR_DECODE_VALU = 2.65
-# The grid step's code outside the compute paths is smaller in kernels whose decode items take the
-# e4m3 pair path than the quads' (the same dumps: 613-636 bundles against 766-932 per step, at 4
-# and 8 pages): the step model's vregs less these, per generation, fitted on the 8-page points.
-E4M3_PAIR_STEP_VREGS = {"v5e": 199.0, "v6e": 287.0}
+QUAD_STEP_VREGS = {"v5e": 210.0, "v6e": 300.0, "tpu7x": 200.0}
 QUAD_HEAD_VALU = {"v5e": 84.0, "v6e": 58.0, "tpu7x": 25.0}
 QUAD_TOKEN_SCALE_VALU = {"v5e": 7.4, "v6e": 8.1, "tpu7x": 3.4}
 PAGED_SCALE_STREAM_SHARE = 0.1
 PAGED_STEP_STREAM_VREGS = {"v5e": 155.0, "v6e": 275.0, "tpu7x": 200.0}
-# The model's error on a busy decode step (max |error| over "paged_points": 4.9%, v6e's 8-page
-# head-major point): candidates within it of the fastest are ties, ordered by the
-# preference list.
+# The model's error on a busy decode step (max |error| over "paged_points": 6.0%, TPU7x's
+# 8-page e4m3 point with per-head scales; 4.9% on the bf16 points): candidates within 5% of the
+# fastest are ties, ordered by the preference list.
 RANKING_TOLERANCE = 0.05
 
 
@@ -505,58 +496,19 @@ def compact_pairs(kv_dtype, num_kv_heads: int, token_major: bool, group: int, na
 SPREAD_TOKENS = 128
 
 
-def quad_heads(
-    kv_dtype, num_kv_heads: int, group: int, narrow: int, token_scales: bool, generation=None
-) -> bool:
+def quad_heads(kv_dtype, num_kv_heads: int, group: int, narrow: int, token_scales: bool) -> bool:
     """Whether the narrow (decode) path computes a decode item's KV heads four at a time (kernel.py
     compute_head_quads): 8-bit pages (token-major) with a multiple of 4 KV heads, where one
     uint32 word holds one token of four heads, and a decode token's G rows fit a quarter of the
     narrow rows (the other three heads ride in the rows the item does not own); items of more
     rows take the per-head path. With per-token scales the item's scales are spread by one
     matmul over all KV heads' rows, which takes whole sublane tiles of heads: a multiple of 8
-    KV heads. Not where e4m3 pages take the bit-decoded pairs (`e4m3_pairs`)."""
+    KV heads."""
     return (
         _itemsize(kv_dtype) == 1
         and num_kv_heads % (8 if token_scales else 4) == 0
         and narrow % 4 == 0
         and 4 * group <= narrow
-        and not e4m3_pairs(kv_dtype, num_kv_heads, group, narrow, token_scales, generation)
-    )
-
-
-# Generations with no 8-bit float unit, where e4m3 pages are decoded by moving bits (kernel.py
-# `_e4m3_pair`) rather than by Mosaic's emulated conversion (QUAD_WIDEN_VALU: ~4 VALU ops per
-# f32 vreg). TPU7x converts natively and keeps the quad path: the pair path with Mosaic's
-# widening, the quad's words stored and read back per pair, compiled to more bundles there (and
-# on v6e for int8) than the quads do.
-E4M3_BIT_DECODE = ("v5e", "v5p", "v6e")
-
-
-def e4m3_pairs(
-    kv_dtype, num_kv_heads: int, group: int, narrow: int, token_scales: bool, generation=None
-) -> bool:
-    """Whether the narrow (decode) path takes e4m3 pages two KV heads at a time (kernel.py
-    compute_head_pairs over `_e4m3_pair`'s bit-decoded pairs): e4m3 token-major pages (float8 or
-    their uint8 bytes) with per-token scales where `E4M3_BIT_DECODE` holds, a multiple of 8 KV
-    heads (one uint32 word holds one token of four heads; the scale spreading matmul takes whole
-    sublane tiles of heads), and a decode token's G rows fitting half the narrow rows (the pair's
-    second head rides in the other half). Items of more rows take the per-head path.
-
-    Per-token scales only: the bit decode hands e4m3's subnormal codes (magnitude below 2**-6 in
-    code units) to the MXU as bf16 subnormals, which it reads as zero. A token quantised by its
-    absolute maximum (448 in code units: the writers' rule, ops.py `_quantise`) loses at most
-    7 * 2**-9 / 448 = 3.1e-5 of that maximum per element there, far under e4m3's own rounding
-    of the token's larger elements (2**-4 relative); a cache with one static scale per head
-    (vLLM's scale-1.0 caches: values near 1e-2 are subnormal codes) keeps Mosaic's exact widening
-    on the quad path."""
-    if not token_scales or _itemsize(kv_dtype) != 1 or np.dtype(kv_dtype).name == "int8":
-        return False
-    gen = generation if isinstance(generation, TpuGeneration) else get_generation(generation)
-    return (
-        gen.name in E4M3_BIT_DECODE
-        and num_kv_heads % 8 == 0
-        and narrow % 2 == 0
-        and 2 * group <= narrow
     )
 
 
@@ -567,16 +519,12 @@ def compact_rows(
     group: int,
     narrow: int,
     token_scales: bool = False,
-    generation=None,
 ) -> int:
     """The most rows an item may hold to take the narrow path's compact form, 0 where none is
     compiled (schedule.compute_paths): the 8-bit quad path's narrow / 4 (`quad_heads`), the
-    pair path's narrow / 2 (16-bit pages: `compact_pairs`; e4m3 on v5e / v6e: `e4m3_pairs`):
-    what the cost model and the benchmarks' step counts charge; the kernel compiles those paths
-    by the same rules."""
-    if e4m3_pairs(kv_dtype, num_kv_heads, group, narrow, token_scales, generation):
-        return narrow // 2
-    if quad_heads(kv_dtype, num_kv_heads, group, narrow, token_scales, generation):
+    16-bit pair path's narrow / 2 (`compact_pairs`): what the cost model and the benchmarks'
+    step counts charge; the kernel compiles those two paths by the same two rules."""
+    if quad_heads(kv_dtype, num_kv_heads, group, narrow, token_scales):
         return narrow // 4
     if compact_pairs(kv_dtype, num_kv_heads, token_major, group, narrow):
         return narrow // 2
@@ -610,23 +558,10 @@ def item_units(
     # v5p (no dump read) takes v5e's factors, as tpu_generations gives it v5e's bundle model.
     name = gen.name if gen.name in PAGED_LOAD_ISSUE else "v5e"
     scale_valu = 3.0
-    bit_pairs = (
-        token_scales and _variant(kv_dtype, True) == "float8_e4m3fn" and name in E4M3_BIT_DECODE
-    )
-    if narrow and compact and _itemsize(kv_dtype) == 1 and bit_pairs:
-        # e4m3 pairs (kernel.py `_e4m3_pair`, v5e / v6e): the compact pair path's scores and
-        # matmuls, the quad's words loaded once per pair (twice) and decoded by
-        # E4M3_PAIR_DECODE_VALU ops per f32 vreg of keys and values; per-token scales by
-        # columns as the quads' (two heads per select instead of four).
-        score_vregs = rows * kv_tokens / 1024
-        valu = PAIR_VALU_PER_SCORE_VREG * score_vregs + E4M3_PAIR_DECODE_VALU * kv_f32_vregs
-        scale_valu = QUAD_TOKEN_SCALE_VALU[name]
-        pushes = _generations.mxu_pushes(gen, rows, dp, 2 * kv_tokens) / 2
-        pushes += _generations.mxu_pushes(gen, rows, 2 * kv_tokens, dp) / 2
-        kv_loaded *= 2 * COMPACT_PAIR_LOAD_FACTOR
-    elif narrow and compact and _itemsize(kv_dtype) == 1:
+    if narrow and compact and _itemsize(kv_dtype) == 1:
         # The 8-bit quad path: per head, a quarter of a quad's [rows, 4 kv_tokens] scores and
-        # matmuls (as many as the per-head path), the keys and values widened to bf16 whole.
+        # matmuls (as many as the per-head path), the 8-bit keys and values converted on their
+        # way into the MXU.
         score_vregs = rows * kv_tokens / 1024
         widen = QUAD_WIDEN_VALU[_variant(kv_dtype, True)][name]
         valu = QUAD_VALU_PER_SCORE_VREG[name] * score_vregs + widen * kv_f32_vregs
@@ -671,13 +606,13 @@ def step_vregs(
     kv_dtype,
     token_major: bool = False,
     token_scales: bool = False,
-    e4m3_pair_steps: bool = False,
+    quads: bool = False,
 ) -> float:
     """Vregs one work item's own code moves outside its compute path (KernelCost.step_vregs per
-    item; `e4m3_pair_steps`: its decode items take the e4m3 pair path, E4M3_PAIR_STEP_VREGS
-    fewer): the stale-value zeroing of one page slot (loaded and stored), the q block's statistics
+    item): the stale-value zeroing of one page slot (loaded and stored), the q block's statistics
     and accumulator init and write-back over one row chunk, and PAGED_STEP_STREAM_VREGS per DMA
-    stream (its page loop's issue and wait, the partial-page chunks' branches)."""
+    stream (its page loop's issue and wait, the partial-page chunks' branches); less
+    QUAD_STEP_VREGS where the kernel's decode items take the quad path (`quads`: `quad_heads`)."""
     dp = _round_up(head_dim, 128)
     chunk = math.gcd(rows, 16)
     page = page_size * num_kv_heads * dp * _itemsize(kv_dtype) / 4096
@@ -687,7 +622,7 @@ def step_vregs(
     if token_scales:  # the K and V scale pages: two more page loops, without partial chunks
         streams += 2 * PAGED_SCALE_STREAM_SHARE
     name = gen.name if gen.name in PAGED_STEP_STREAM_VREGS else "v5e"
-    fewer = E4M3_PAIR_STEP_VREGS.get(name, 0.0) if e4m3_pair_steps else 0.0
+    fewer = QUAD_STEP_VREGS[name] if quads else 0.0
     return zero + qblock + streams * PAGED_STEP_STREAM_VREGS[name] - fewer
 
 
@@ -717,19 +652,16 @@ def _busy_step_units(
         kv_tokens=kv_tokens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        compact=compact_rows(
-            kv_dtype, num_kv_heads, token_major, group, rows, token_scales, generation=gen
-        )
-        > 0,
+        compact=compact_rows(kv_dtype, num_kv_heads, token_major, group, rows, token_scales) > 0,
         **variant,
     )
     per_step = step_vregs(
         gen,
-        e4m3_pair_steps=e4m3_pairs(kv_dtype, num_kv_heads, group, rows, token_scales, gen),
         rows=block_q * group,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        quads=quad_heads(kv_dtype, num_kv_heads, group, rows, token_scales),
         **variant,
     )
     return units, per_step
@@ -970,6 +902,7 @@ def traffic(
         generation=gen,
         config=config,
         token_major=token_major,
+        token_scales=token_scales,
     )
     bq, ppb = cfg.block_q, cfg.pages_per_block
     t_pad = _round_up(max(num_tokens, 1), bq)
@@ -1002,13 +935,7 @@ def traffic(
         token_scales=token_scales,
     )
     compact = compact_rows(
-        kv_dtype,
-        num_kv_heads,
-        variant["token_major"],
-        group,
-        nr,
-        token_scales=token_scales,
-        generation=gen,
+        kv_dtype, num_kv_heads, variant["token_major"], group, nr, token_scales=token_scales
     )
     runs = path_runs(items, q_lens, block_q=bq, group=group, narrow=nr, compact=compact)
     mxu = runs_mxu_flops(
@@ -1039,11 +966,11 @@ def traffic(
     units["compute_tiles"] = sum(runs.values())
     units["step_vregs"] = sum(runs.values()) * step_vregs(
         gen,
-        e4m3_pair_steps=e4m3_pairs(kv_dtype, num_kv_heads, group, nr, token_scales, gen),
         rows=rows,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        quads=quad_heads(kv_dtype, num_kv_heads, group, nr, token_scales),
         **variant,
     )
     separate_kv = separate_kv or token_major  # token-major caches are always K and V apart
@@ -1109,7 +1036,6 @@ def traffic(
         kv_dtype=kv_dtype,
         token_scales=token_scales,
         sinks=sinks,
-        generation=gen,
     )
     return dict(
         config=cfg,
