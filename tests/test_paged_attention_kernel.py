@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jax_core
 
 import kernel_loader
 import tpu_interpreter
@@ -935,6 +936,36 @@ def test_8bit_quad_path_and_per_head_items(qdtype, hkv, hq, token_scales):
     live = int(b["cu"][-1])
     assert not out[live:].any()
     assert np.abs(out[:live] - ref[:live]).max() <= QUANT_KERNEL_TOL * np.abs(ref[:live]).max()
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+def test_8bit_quads_hand_the_stored_bytes_to_the_matmuls(qdtype):
+    """The decode quads' score and probability matmuls take the 8-bit keys and values as stored
+    (a bf16 x int8 / e4m3 dot_general in the kernel's jaxpr, which Mosaic converts on the way into
+    the MXU): no [4 * kv_tok, D] bf16 copy of the quad's keys is made in VMEM, the thing that cost
+    e4m3 ~4,500 selects and compares per 1024-token step on v5e / v6e. The per-head path (2-4
+    token chunks) still widens per head."""
+    b = make_quantised(
+        np.random.default_rng(5), [1, 1], [200, 77], qdtype, hkv=8, hq=32, tokens=8,
+    )  # fmt: skip
+    scales = dict(k_scale=b["k_scale"], v_scale=b["v_scale"])
+    jaxpr = jax.make_jaxpr(
+        lambda q, k, v: kernel.paged_attention_token_major(
+            q, k, v, b["kv_lens"], b["pt"], b["cu"], b["ns"], interpret=True, **scales
+        )
+    )(b["q"], b["k"], b["v"])
+
+    def dots(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield tuple(str(x.aval.dtype) for x in eqn.invars)
+            for sub in jax_core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+
+    want = "int8" if qdtype == "int8" else "float8_e4m3fn"
+    found = list(dots(jaxpr.jaxpr))
+    assert ("bfloat16", want) in found, found  # scores and probabilities, quads
+    assert found.count(("bfloat16", want)) >= 2
 
 
 def test_quad_path_spreads_token_scales_exactly():
