@@ -221,7 +221,14 @@ def test_flash_attn_with_kvcache_body_reads_caches_in_place(generation):
 
 @pytest.mark.parametrize(
     "generation,qdtype",
-    [("v5e", "fp8"), ("v6e", "fp8"), ("v6e", "int8"), ("tpu7x", "int8"), ("tpu7x", "fp8")],
+    [
+        ("v5e", "fp8"),
+        ("v5e", "int8"),
+        ("v6e", "fp8"),
+        ("v6e", "int8"),
+        ("tpu7x", "int8"),
+        ("tpu7x", "fp8"),
+    ],
 )
 def test_quantised_token_major_compiles(generation, qdtype):
     """8-bit pages (word unpacking; the decode quads' e4m3 keys and values straight into bf16 x

@@ -1317,8 +1317,9 @@ def _attention(
         pt_smem, pt_hbm = page_table.reshape(-1), []
 
     unpack_u32 = not _tpu_interpret_mode(interpret)
+    narrow = tiling.narrow_rows(group, rows)
     quad_heads = unpack_u32 and tiling.quad_heads(
-        kv_dtype, hkv, group, tiling.narrow_rows(group, rows), token_scales is not None
+        kv_dtype, hkv, group, narrow, token_scales is not None
     )
     kernel = functools.partial(
         _paged_kernel,
@@ -1332,7 +1333,7 @@ def _attention(
         pages_per_seq=pages_per_seq,
         max_items=max_items,
         num_q_blocks=nqb,
-        narrow=tiling.narrow_rows(group, rows),
+        narrow=narrow,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
