@@ -531,6 +531,7 @@ MEASURED_FILES = (
     "v5e_flash_checked.json",
     "v5e_paged_e4m3_pairs.json",
     "v5e_paged_8bit_mxu.json",
+    "v5e_ragged_ours_lhs_in_loop.json",
 )
 
 

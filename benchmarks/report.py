@@ -303,6 +303,7 @@ TRAINING_FILES = (
     "v5e_train_flash_flux.json",
     "v5e_train_dlhs_step_overlap.json",
     "v5e_train_flash_wan_long_kv.json",
+    "v5e_train_gmm_lhs_in_loop.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -417,6 +418,7 @@ TILE_SWEEPS = (
     "v5e_flash_tile_sweep8.json",
     "v5e_flash_tile_sweep9.json",
     "v5e_flash_tile_sweep10.json",
+    "v5e_gmm_tile_sweep_lhs_in_loop.json",
 )
 
 

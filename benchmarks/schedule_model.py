@@ -532,7 +532,8 @@ def scheduled_from_work(
     it the call's work is pooled into one step (max of its totals), which is exact only when
     every step has the same mix: on a TPU v5e chip (15 named gmm cells) measured / scheduled
     was 0.94-1.43 for our gmm and 0.82-1.39 for megablox's 128-row tiles with the pooled rule,
-    0.93-1.11 and 0.82-1.07 with this one (benchmarks/results/results.md).
+    0.93-1.11 and 0.82-1.07 with this one (ours 1.01-1.13 since its windows stopped copying
+    their lhs through a spill slot, a copy this model never charged; benchmarks/results/results.md).
 
     A kernel whose steps also differ in their code (the paged kernel's q blocks: a decode block
     of many narrow items, prefill blocks of a few whole-block ones) passes in `step_work` also
