@@ -1,6 +1,7 @@
 """ragged-dot-tpu kernel level (JAX): gmm, dlhs, tgmm and quantised gmm against f32 references,
 NaN isolation, TPU interpret mode, the work list and the cost model."""
 
+import functools
 import importlib
 import json
 from pathlib import Path
@@ -890,3 +891,62 @@ def test_f32_operands_multiply_at_highest_precision():
     for fn in (K.gmm, K.tgmm):
         assert "Precision.HIGHEST" in jaxpr(jnp.float32, fn), fn
         assert "Precision.HIGHEST" not in jaxpr(jnp.bfloat16, fn), fn
+
+
+def _dot_operands_defined_outside(jaxpr) -> list[str]:
+    """The dot_generals of `jaxpr` and every jaxpr nested in it (loop bodies, branches) whose
+    operands are not computed in the jaxpr holding the dot: values a loop carries in."""
+    from jax import extend
+
+    found = []
+    local = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found += [str(x.aval) for x in eqn.invars if x not in local]
+        for sub in extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_operands_defined_outside(sub)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["gmm", "dlhs", "gmm_gated", "tgmm"])
+def test_window_matmuls_read_their_operands_inside_the_column_loop(kind):
+    """Every matmul of a row window reads its lhs (and tgmm its dout) from the ref inside the
+    column-chunk loop it runs in: an operand read before the loop is a value the loop carries,
+    which Mosaic copies to a VMEM spill slot and back every window (the v5e schedule of
+    Mixtral-8x7B gate_up: 1,034 bundles of copy beside 3,902 of matmul). Traced only, at a
+    shape whose weight block is too wide for one straight-line matmul (several column chunks
+    on v5e)."""
+    m, k, n, g = 512, 4096, 2048, 2
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+    tiling = T.GmmTiling(256, 4096, 2048)
+    assert T.window_cols(4096, 2048, T.get_generation("v5e"), 256, 16) < 2048  # a column loop
+    kw = dict(generation="v5e", interpret=True)
+    if kind == "gmm":
+        args = (x, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), gs)
+        fn = functools.partial(K.gmm, tiling=tiling, **kw)
+    elif kind == "dlhs":
+        args = (x, jax.ShapeDtypeStruct((g, n, k), jnp.bfloat16), gs)
+        fn = functools.partial(K.gmm, tiling=tiling, transpose_rhs=True, **kw)
+    elif kind == "gmm_gated":
+        args = (x, jax.ShapeDtypeStruct((g, k, 2 * n), jnp.bfloat16), gs)
+        fn = functools.partial(K.gmm_gated, activation="silu", tiling=tiling, **kw)
+    else:
+        args = (x, jax.ShapeDtypeStruct((m, n), jnp.bfloat16), gs)
+        fn = functools.partial(K.tgmm, tiling=T.TgmmTiling(256, 4096, 2048), **kw)
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    kernels = [e for e in _walk(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert kernels
+    for eqn in kernels:
+        body = eqn.params["jaxpr"]
+        assert any(e.primitive.name == "dot_general" for e in _walk(body)), "no matmul found"
+        assert _dot_operands_defined_outside(body) == []
+
+
+def _walk(jaxpr):
+    from jax import extend
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in extend.core.jaxprs_in_params(eqn.params):
+            yield from _walk(sub)
