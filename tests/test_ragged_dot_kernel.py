@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend import core as jax_core
 
 import kernel_loader
 import tpu_interpreter
@@ -893,19 +894,12 @@ def test_f32_operands_multiply_at_highest_precision():
         assert "Precision.HIGHEST" not in jaxpr(jnp.bfloat16, fn), fn
 
 
-def _dot_operands_defined_outside(jaxpr) -> list[str]:
-    """The dot_generals of `jaxpr` and every jaxpr nested in it (loop bodies, branches) whose
-    operands are not computed in the jaxpr holding the dot: values a loop carries in."""
-    from jax import extend
-
-    found = []
-    local = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+def _jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr nested in it (loop bodies, branches, inner calls)."""
+    yield jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found += [str(x.aval) for x in eqn.invars if x not in local]
-        for sub in extend.core.jaxprs_in_params(eqn.params):
-            found += _dot_operands_defined_outside(sub)
-    return found
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from _jaxprs(sub)
 
 
 @pytest.mark.parametrize("kind", ["gmm", "dlhs", "gmm_gated", "tgmm"])
@@ -935,18 +929,14 @@ def test_window_matmuls_read_their_operands_inside_the_column_loop(kind):
         args = (x, jax.ShapeDtypeStruct((m, n), jnp.bfloat16), gs)
         fn = functools.partial(K.tgmm, tiling=T.TgmmTiling(256, 4096, 2048), **kw)
     jaxpr = jax.make_jaxpr(fn)(*args)
-    kernels = [e for e in _walk(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    kernels = [e for j in _jaxprs(jaxpr.jaxpr) for e in j.eqns if e.primitive.name == "pallas_call"]
     assert kernels
     for eqn in kernels:
-        body = eqn.params["jaxpr"]
-        assert any(e.primitive.name == "dot_general" for e in _walk(body)), "no matmul found"
-        assert _dot_operands_defined_outside(body) == []
-
-
-def _walk(jaxpr):
-    from jax import extend
-
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in extend.core.jaxprs_in_params(eqn.params):
-            yield from _walk(sub)
+        dots = 0
+        for j in _jaxprs(eqn.params["jaxpr"]):
+            local = {v for e in j.eqns for v in e.outvars}  # values computed in this jaxpr
+            for e in j.eqns:
+                if e.primitive.name == "dot_general":
+                    dots += 1
+                    assert all(v in local for v in e.invars), e  # none carried into the loop
+        assert dots, "no matmul found"
