@@ -532,6 +532,9 @@ MEASURED_FILES = (
     "v5e_paged_e4m3_pairs.json",
     "v5e_paged_8bit_mxu.json",
     "v5e_ragged_ours_lhs_in_loop.json",
+    "v5e_ragged_ours_run_ahead.json",
+    "v5e_ragged_ours_run_ahead_sweep_picks.json",
+    "v5e_ragged_ours_run_ahead_tiles.json",
 )
 
 

@@ -207,7 +207,9 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
     # the kernel's own per-step work (tiling.gmm_step_work; the tile ranking reads it too, and
     # test_benchmarks checks its copies against the generic BlockSpec model)
     isz = np.dtype(dtype).itemsize
-    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz)
+    gen = T.get_generation(generation)
+    prefetch = T.prefetches_runs(k, t.tk, n, t.tn, gen)
+    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz, prefetch_runs=prefetch)
     trips = {
         "hot_iterations": float(w["full"].sum() * chunks),
         "side_region_runs": float(w["tail"].sum() * chunks),

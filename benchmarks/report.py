@@ -304,6 +304,7 @@ TRAINING_FILES = (
     "v5e_train_dlhs_step_overlap.json",
     "v5e_train_flash_wan_long_kv.json",
     "v5e_train_gmm_lhs_in_loop.json",
+    "v5e_train_gmm_run_ahead.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -419,6 +420,7 @@ TILE_SWEEPS = (
     "v5e_flash_tile_sweep9.json",
     "v5e_flash_tile_sweep10.json",
     "v5e_gmm_tile_sweep_lhs_in_loop.json",
+    "v5e_gmm_tile_sweep_run_ahead.json",
 )
 
 

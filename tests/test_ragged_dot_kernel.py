@@ -333,6 +333,77 @@ def test_quantised_gmm_tpu_interpret():
     )
 
 
+def _run_ahead_case(variant):
+    """(call(interpret) -> out, f32 reference, atol) of a gmm whose weight block holds all of K
+    (tk == K), so the kernel copies the blocks a run ahead itself (tiling.prefetches_runs): two
+    N tiles (the chain of copies crosses from the first to the second), empty groups, a group
+    spanning row tiles, rows past the groups."""
+    gs = [0, 9, 1, 14, 0, 6]  # sum 30 < 40
+    m, k, n, tiling = 40, 128, 256, T.GmmTiling(16, 128, 128)
+    rng = np.random.default_rng(11)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gsa = jnp.asarray(gs, jnp.int32)
+    f32 = dict(out_dtype=jnp.float32, tiling=tiling)
+    if variant in ("plain", "transposed"):
+        tr = variant == "transposed"
+        rhs = jnp.asarray(rng.standard_normal((6, n, k) if tr else (6, k, n)), jnp.bfloat16)
+        ref = R.gmm_reference(lhs, rhs, gs, transpose_rhs=tr)
+        return lambda p: K.gmm(lhs, rhs, gsa, transpose_rhs=tr, interpret=p, **f32), ref, 1e-3
+    if variant == "int8":
+        rhs = jnp.asarray(rng.integers(-127, 128, (6, k, n)), jnp.int8)
+        scales = jnp.asarray(rng.uniform(0.005, 0.02, (6, n)), jnp.float32)
+        ref = R.gmm_reference(lhs, rhs, gs, scales)
+        return lambda p: K.gmm(lhs, rhs, gsa, scales, interpret=p, **f32), ref, 1e-3
+    layout = variant  # the fused gate: two weight refs (concatenated) or one 2 tn block
+    lhs, rhs, bias, gsa = _gated_arrays(m, k, n, gs, transpose_rhs=False)
+    ref = R.gmm_gated_reference(lhs, rhs, gs, bias, activation="silu", layout=layout)
+
+    def call(p):
+        return K.gmm_gated(
+            lhs, rhs, gsa, bias, activation="silu", layout=layout, tiling=tiling, interpret=p
+        )
+
+    return call, ref, 2e-4
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["plain", "transposed", "int8", "concatenated", "interleaved"])
+def test_weights_copied_a_run_ahead_tpu_interpret(variant):
+    """The run-ahead weight copies (kernel._run_weights) in TPU interpret mode: race-free, every
+    copy waited for, the right block in each slot (exact against the reference), and the path
+    really taken: the kernel's jaxpr starts DMAs of its own where a K tail keeps BlockSpecs."""
+    call, ref, atol = _run_ahead_case(variant)
+    out = _tpu_interpret(call)
+    np.testing.assert_allclose(_np(out), ref, rtol=1e-5, atol=atol)
+    assert np.all(_np(out)[30:] == 0)
+    assert "dma_start" in str(jax.make_jaxpr(lambda: call(True))())
+
+
+def test_weights_stay_blockspec_copies_with_several_k_blocks():
+    gs = jnp.asarray([5, 0, 11], jnp.int32)
+    lhs, rhs = jnp.ones((16, 256), jnp.bfloat16), jnp.ones((3, 256, 128), jnp.bfloat16)
+    for tk, copies in ((128, False), (256, True)):
+        jaxpr = str(
+            jax.make_jaxpr(
+                lambda tk=tk: K.gmm(lhs, rhs, gs, tiling=T.GmmTiling(16, tk, 128), interpret=True)
+            )()
+        )
+        assert ("dma_start" in jaxpr) == copies, tk
+
+
+def test_run_ahead_step_model_moves_each_block_under_the_run_before():
+    """tiling._copied_a_run_ahead: every byte is still copied once; the first run's block waits
+    at step 0, every later run's block is spread over the previous run's steps by their rows
+    (placed after each step: reads[i] hides under step i - 1), evenly over a run without rows."""
+    block = np.array([4.0, 0, 0, 6, 0, 8, 0], float)  # runs at steps 0-2, 3-4, 5-6
+    rows = np.array([1.0, 3, 0, 0, 0, 2, 2], float)
+    got = T._copied_a_run_ahead(block, rows)
+    assert got.sum() == block.sum()
+    # run 0 (rows 1, 3, 0) hides run 1's 6 bytes; run 1 (no rows) hides run 2's 8 evenly
+    np.testing.assert_allclose(got, [4.0, 1.5, 4.5, 0.0, 4.0, 4.0, 0.0])
+
+
 # -------------------------------------------------------------------------------------------------
 # Work list and cost model
 # -------------------------------------------------------------------------------------------------
@@ -389,6 +460,13 @@ def test_work_list_covers_each_row_once(m, sizes, tm, kind):
     if kind == "gmm":  # every row tile gets written exactly once
         last = (wl["FLAGS"] & T.F_LAST) != 0
         assert sorted(wl["OUT"][last].tolist()) == list(range(-(-m // tm)))
+        # Runs: GROUP never decreases, each computing item's group is resident during its run,
+        # and NEXT names the following run's group (-1 on the last run).
+        group = wl["GROUP"]
+        assert np.all(np.diff(group) >= 0)
+        runs = group[np.r_[True, group[1:] != group[:-1]]].tolist()
+        following = dict(zip(runs, runs[1:] + [-1]))
+        assert wl["NEXT"].tolist() == [following[g] for g in group.tolist()]
     else:  # every group's gradient gets written exactly once
         last = (wl["FLAGS"] & T.F_LAST) != 0
         assert sorted(wl["OUT"][last].tolist()) == list(range(len(gs)))

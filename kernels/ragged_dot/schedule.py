@@ -20,7 +20,11 @@ from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout, cummax, search
 #   OUT: block index of the output (row tile for gmm, group for tgmm); padding repeats the last.
 #   TILE: row tile whose lhs (and dout) block is resident; carried from the last computing item so
 #         that items without MXU work never start a new DMA.
-#   GROUP: the weight group whose rhs block is resident (gmm); carried like TILE.
+#   GROUP: the weight group whose rhs block is resident (gmm); carried like TILE, so GROUP never
+#         decreases along the list and the items of one group form one *run*.
+#   NEXT: the GROUP of the next run (-1 for the list's last run). A gmm whose weight block holds
+#         all of K (tiling.prefetches_runs) starts copying the next run's block when a run
+#         starts, so the copy hides under the whole run rather than under its last item.
 #   KFIX: 1 for items without MXU work (gmm): their lhs/rhs block index freezes at the last K
 #         block, which is the index the previous step left resident.
 #   LO, HI: the item's rows inside the row tile, [LO, HI).
@@ -31,7 +35,20 @@ from .work_list import COMPUTE, FIRST, LAST, VALID, RecordLayout, cummax, search
 #   FLAGS: COMPUTE | FIRST (first item of its output block) | LAST | VALID (not padding).
 LAYOUT = RecordLayout(
     "ragged_dot",
-    ("OUT", "TILE", "GROUP", "KFIX", "LO", "HI", "START", "NFULL", "TSTART", "BUCKET", "FLAGS"),
+    (
+        "OUT",
+        "TILE",
+        "GROUP",
+        "NEXT",
+        "KFIX",
+        "LO",
+        "HI",
+        "START",
+        "NFULL",
+        "TSTART",
+        "BUCKET",
+        "FLAGS",
+    ),
 )
 GMM_FIELDS = TGMM_FIELDS = LAYOUT.fields  # gmm and tgmm share the record layout
 # The shared flag bits under this family's historical names.
@@ -146,6 +163,9 @@ def work_list(
     res_tile = xp.where(has, tile[lc], 0).astype(i32)
     res_group = xp.where(has, g[lc], 0).astype(i32)
     kfix = xp.where(compute, 0, 1).astype(i32)
+    # GROUP is nondecreasing: the next run starts at the first item of a larger GROUP.
+    next_start = searchsorted(res_group, res_group, side="right", xp=xp)
+    next_group = xp.where(next_start < L, res_group[xp.minimum(next_start, L - 1)], -1).astype(i32)
 
     rc = row_chunk(tm)
     bucket_arr = xp.asarray(np.asarray(buckets, np.int32))
@@ -172,6 +192,7 @@ def work_list(
             OUT=out,
             TILE=res_tile,
             GROUP=res_group,
+            NEXT=next_group,
             KFIX=kfix,
             LO=lo,
             HI=hi,

@@ -256,6 +256,16 @@ def _dim_candidates(size: int, halves: bool = False) -> list[int]:
     return cands
 
 
+# The gmm searches 128-row tiles only for a K block no larger row tile's program can hold
+# (`program_fits`). With the weight blocks copied a run ahead (`prefetches_runs`) the step model
+# ranks 128-row tiles level with 256 (their boundary copies no longer show), but on a TPU v5e
+# chip 128 rows ran slower than every larger tile at the same K block at Qwen3-30B-A3B gate_up,
+# 4096 tokens: 1912 us against 1496 (256), 1614 (512), 1684 (1024); where only 128 rows fit a
+# whole-K block they won: Mixtral-8x7B down, 4096 tokens, 128 / 14336 / 512 ran 6262 us
+# against 7044 at 1024 / 2048 / 2048 (benchmarks/results/device/v5e_gmm_tile_sweep_run_ahead.json).
+GMM_MIN_ROW_TILE = 256
+
+
 def _row_candidates(gen: TpuGeneration, m: int, unit: int, tm: Optional[int]) -> list[int]:
     if tm:
         return [tm]
@@ -380,6 +390,16 @@ def window_cols(
     return best
 
 
+def prefetches_runs(k: int, tk: int, n: int, tn: int, gen: TpuGeneration) -> bool:
+    """Whether the gmm copies its weight blocks one *run* of items ahead itself (kernel.py,
+    `_run_weights`) instead of through a BlockSpec, which copies a group's block under the single
+    grid step before the group starts. It does when one K block holds all of K (a run then reads
+    one block), every column block lies inside its weight array (a manual copy has no edge
+    padding; N % tn == 0 covers the gated layouts' blocks too) and the device has one core (the
+    chain of copies runs across N tiles, so that axis is not split between cores)."""
+    return tk == k and n % tn == 0 and gen.cores_per_device == 1
+
+
 def _weight_blocks(tn: int, gate_layout: Optional[str]) -> tuple[int, int]:
     """(weight refs, columns of each) one gmm grid step multiplies: plain 1 x tn; the gated
     gate_up gmm 2 x tn (concatenated: gate and up blocks) or 1 x 2 tn (interleaved)."""
@@ -477,14 +497,20 @@ def representative_group_sizes(m: int, num_groups: int) -> np.ndarray:
     return sizes
 
 
-def gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None):
+def gmm_step_work(
+    wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None, *,
+    prefetch_runs=False,
+):  # fmt: skip
     """Per grid step (N tile, item, K tile) of a gmm call, in grid order, from its work list
     `wl` (`_fields` of `work_list`): "full", its full row windows; "tail", 1 where it runs a
-    tail window; "rows", the MXU rows it multiplies; "reads", the bytes its input blocks copy
-    in; "writes", the bytes its output block writes back after it (kernel.py's index maps:
-    lhs (TILE, k), weights (GROUP, k, n), out (OUT, n); items without MXU work keep the last
-    K block). The tile ranking's `step_profile` and the benchmarks' per-step schedule
-    (benchmarks/ours.py) both read it."""
+    tail window; "rows", the MXU rows it multiplies; "reads", the bytes copied in for it, placed
+    where `tpu_generations.overlapped_step_seconds` hides them (reads[i] under step i - 1);
+    "writes", the bytes its output block writes back after it (kernel.py's index maps: lhs
+    (TILE, k), weights (GROUP, k, n), out (OUT, n); items without MXU work keep the last K
+    block). With `prefetch_runs` (`prefetches_runs`) a run's weight block is copied while the
+    run before it computes: its bytes are spread over that run's steps by their rows (the first
+    run's block still waits). The tile ranking's `step_profile` and the benchmarks' per-step
+    schedule (benchmarks/ours.py) both read it."""
     buckets = bucket_sizes(tm, unit)
     L = wl["FLAGS"].shape[0]
     kt, nt = -(-k // tk), -(-n // tn)
@@ -502,9 +528,11 @@ def gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, g
         return np.r_[True, np.any([np.diff(a) != 0 for a in idx], axis=0)]
 
     n_rhs, cols = _weight_blocks(tn, gate_layout)
-    reads = changed(wl["TILE"][j], kb) * float(tm * tk * lhs_bytes) + changed(
-        wl["GROUP"][j], kb, nb
-    ) * float(n_rhs * tk * cols * rhs_bytes)
+    weights = changed(wl["GROUP"][j], kb, nb) * float(n_rhs * tk * cols * rhs_bytes)
+    if prefetch_runs:
+        assert kt == 1, "a run ahead needs one K block"
+        weights = _copied_a_run_ahead(weights, rows[j].astype(float))
+    reads = changed(wl["TILE"][j], kb) * float(tm * tk * lhs_bytes) + weights
     writes = np.r_[changed(wl["OUT"][j], nb)[1:], True] * float(tm * tn * out_bytes)
     return {
         "full": full[j].astype(float),
@@ -515,10 +543,28 @@ def gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, g
     }
 
 
+def _copied_a_run_ahead(block_bytes, rows):
+    """Per step, the weight bytes copied under the step before it when each run's block
+    (`block_bytes` != 0 at a run's first step) is copied while the previous run computes: the
+    first run's block where it was, every later one spread over the previous run's steps by
+    their rows (evenly over a run without rows), each share placed after its step."""
+    starts = block_bytes != 0
+    run = np.cumsum(starts) - 1
+    next_block = np.r_[block_bytes[starts][1:], 0.0]
+    run_rows = np.bincount(run, weights=rows)
+    run_steps = np.bincount(run)
+    share = np.where(run_rows[run] > 0, rows / np.maximum(run_rows[run], 1.0), 1.0 / run_steps[run])
+    out = np.zeros_like(block_bytes)
+    out[0] = block_bytes[0]
+    out[1:] += (share * next_block[run])[:-1]
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def gmm_step_profile(
-    m, k, n, num_groups, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None
-) -> tuple:
+    m, k, n, num_groups, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None,
+    prefetch_runs=False,
+) -> tuple:  # fmt: skip
     """KernelCost.step_profile of a gmm call on `representative_group_sizes`: per grid step
     its MXU rows, the bytes it copies in and the bytes it writes back (`gmm_step_work`). What
     it adds to the ranking: a group's first step copies a whole weight block (and a new row
@@ -533,7 +579,10 @@ def gmm_step_profile(
             m=m, tm=tm, buckets=bucket_sizes(tm, unit), unit=unit, kind="gmm",
         )
     )  # fmt: skip
-    w = gmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout)
+    w = gmm_step_work(
+        wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout,
+        prefetch_runs=prefetch_runs,
+    )  # fmt: skip
     return w["rows"], w["reads"], w["writes"]
 
 
@@ -604,13 +653,25 @@ def gmm_candidate_cost(
         ),
         step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
         step_profile=gmm_step_profile(
-            m, k, n, num_groups, tm, tk, tn, unit, lb, wb, ob, gate_layout
-        ),
+            m,
+            k,
+            n,
+            num_groups,
+            tm,
+            tk,
+            tn,
+            unit,
+            lb,
+            wb,
+            ob,
+            gate_layout,
+            prefetches_runs(k, tk, n, tn, gen),
+        ),  # fmt: skip
         **units,
     )
 
 
-def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within, n_rhs=1):
+def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within, n_rhs=1, min_tm=0):
     """The (tm, tk, tn) `best_tiles` ranks fastest (tpu_generations.ranked_seconds of
     `cost_of(tm, tk, tn)`, a KernelCost) among the candidates whose VMEM need fits the budget
     and whose program can fit one overlay (`program_fits`, `n_rhs` weight blocks per window;
@@ -626,6 +687,8 @@ def _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, within, n_rhs=1):
         for tk in tks:
             if not (ov.get("tm") and ov.get("tk")) and not program_fits(gen, tm, tk, unit, n_rhs):
                 continue
+            if tm < min_tm <= tms[-1] and program_fits(gen, min_tm, tk, unit, n_rhs):
+                continue  # a larger row tile holds this K block (GMM_MIN_ROW_TILE)
             for tn in tns:
                 cost = cost_of(tm, tk, tn)
                 # The tie-break's keys travel with the tiles (best_tiles hands it the tiles).
@@ -648,7 +711,9 @@ def _gmm_search(gen, m, k, n, num_groups, unit, ov, dtypes, tn_cands, quantised,
         )  # fmt: skip
 
     n_rhs = _weight_blocks(128, gate_layout)[0]
-    return _ranked_search(gen, m, k, unit, ov, tn_cands, cost_of, RANKING_TOLERANCE, n_rhs)
+    return _ranked_search(
+        gen, m, k, unit, ov, tn_cands, cost_of, RANKING_TOLERANCE, n_rhs, GMM_MIN_ROW_TILE
+    )
 
 
 def _tie_break(tiles):
