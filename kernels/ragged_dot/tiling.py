@@ -395,9 +395,10 @@ def prefetches_runs(k: int, tk: int, n: int, tn: int, gen: TpuGeneration) -> boo
     `_run_weights`) instead of through a BlockSpec, which copies a group's block under the single
     grid step before the group starts. It does when one K block holds all of K (a run then reads
     one block), every column block lies inside its weight array (a manual copy has no edge
-    padding; N % tn == 0 covers the gated layouts' blocks too) and the device has one core (the
+    padding; N % tn == 0 covers the gated layouts' blocks too) at lane-aligned column offsets (tn
+    a multiple of 128: Mosaic cannot slice at an offset of 320) and the device has one core (the
     chain of copies runs across N tiles, so that axis is not split between cores)."""
-    return tk == k and n % tn == 0 and gen.cores_per_device == 1
+    return tk == k and n % tn == 0 and tn % 128 == 0 and gen.cores_per_device == 1
 
 
 def _weight_blocks(tn: int, gate_layout: Optional[str]) -> tuple[int, int]:
