@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import tpu_compile
+
 ROOT = Path(__file__).resolve().parent.parent
 
 import llo_schedule as L  # noqa: E402
@@ -606,9 +608,14 @@ def test_tile_sweep_reads_other_gmm_tilings_from_the_compiled_schedule(tmp_path)
     assert other["scheduled_us"] > 0 and other["scheduled_us"] != own["scheduled_us"]
 
 
+# v5e in CI (the generation the program budget was sized by, whose overlays the chip showed
+# costing 3-7x); every generation in the long form (HYPOTHESIS_PROFILE=sweep): the v6e and TPU7x
+# dumps took 80 and 121 s of a CI run near its time limit.
 @pytest.mark.compile
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize(
+    "generation", tpu_compile.TESTED_GENERATIONS if tpu_compile.LONG_FORM else ["v5e"]
+)
 def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
     """On every generation, our gmm at the named cell with the most window code under that
     generation's budget (tiling.PROGRAM_MXU_BUNDLES) compiles to a kernel one overlay holds:
