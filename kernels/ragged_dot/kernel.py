@@ -372,9 +372,9 @@ def _run_weights(wl_ref, rhs_hbm, slots, sems, slot_ref, nb, j, L, col_offsets, 
     a 16 MiB block outlasts it (on a TPU v5e chip equal tile-aligned groups ran Mixtral-8x7B
     gate_up at 4096 tokens at 166 TFLOP/s, the named routing at 146). Here the weights stay in
     HBM and each run of items of one group (schedule.py: GROUP never decreases) has a VMEM slot
-    of two: when a run starts, its block (started when the previous run started) is waited
-    for and the next run's block (NEXT, or the first run of the next N tile) is started into
-    the other slot, so it hides under the whole run. The chain crosses N tiles, so the N grid
+    of two: when a run starts, the next run's block (NEXT, or the first run of the next N tile)
+    is started into the other slot, then this run's block (started when the previous run
+    started) is waited for, so each copy hides under the whole run before its own. The chain crosses N tiles, so the N grid
     axis is sequential ("arbitrary"; tiling.prefetches_runs takes single-core devices only).
     Returns the current slot's views, one per weight ref."""
     nt = pl.num_programs(0)
