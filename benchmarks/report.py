@@ -305,6 +305,11 @@ TRAINING_FILES = (
     "v5e_train_flash_wan_long_kv.json",
     "v5e_train_gmm_lhs_in_loop.json",
     "v5e_train_gmm_run_ahead.json",
+    # tgmm before / after its windows wrote the output block (timed in one session, ours only),
+    # then ours' dlhs and fused gate re-timed at the tiles the run-ahead step model ranks.
+    "v5e_train_tgmm_before_write_through.json",
+    "v5e_train_tgmm_write_through.json",
+    "v5e_train_dlhs_gated_retimed.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

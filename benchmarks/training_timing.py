@@ -270,6 +270,7 @@ def main(argv=None):
     p.add_argument("--kernel", action="append", choices=KINDS)
     p.add_argument("--shape", action="append", help="only these shapes")
     p.add_argument("--pass", dest="passes", action="append", help="only these passes")
+    p.add_argument("--impl", dest="impls", action="append", help="only these implementations")
     p.add_argument(
         "--flash-tiles",
         action="append",
@@ -307,7 +308,9 @@ def main(argv=None):
                     continue
                 first_out.clear()  # one shape's outputs held at a time
                 for impl, pass_name, fn, fargs, tiling in cases[kind](shape, gen, args.interpret):
-                    if args.passes and pass_name not in args.passes:
+                    if (args.passes and pass_name not in args.passes) or (
+                        args.impls and impl not in args.impls
+                    ):
                         del fn, fargs
                         continue
                     rec = {"kernel": kind, "shape": name, "impl": impl, "pass": pass_name}

@@ -20,8 +20,9 @@ by the model. tgmm ranks the same way (`_tgmm_search`) on
 through the MXU and move through VMEM (`tgmm_window_units`, calibrated on the LLO dumps of tgmm,
 tile_model_calibration.json "tgmm_points": the dout rows are the MXU's stationary operand, so a
 window of any rows up to the MXU side pushes as much as a full one, and each window reads and
-writes its whole f32 (tk, tn) accumulator) and its output blocks' accumulator code, ties within
-TGMM_RANKING_TOLERANCE to the fewest HBM bytes.
+writes its whole f32 (tk, tn) running sum and writes it, cast, into the output block) and the
+zero-fill of empty groups' output blocks, ties within TGMM_RANKING_TOLERANCE to the fewest HBM
+bytes.
 The VMEM budget model counts every buffer
 the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
 scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
@@ -152,7 +153,7 @@ def gmm_vmem_bytes(
 def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
     lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
     need = 2 * tm * tk * lb + 2 * tm * tn * db + 2 * tk * tn * ob
-    need += tk * tn * 4  # accumulator
+    need += tk * tn * 4 if ob != 4 else 0  # f32 accumulator (an f32 output block is its own)
     need += 2 * tk * tn * 4  # matmul result and merged value
     need += tm * tk * lb + tm * tn * db  # row-masked operand copies
     return need
@@ -733,13 +734,19 @@ def _tie_break(tiles):
 
 # The VMEM issue factor of tgmm's window loads / stores, per generation, where the shared model's
 # `memory_issue` is gmm's (a gmm window's weight vregs go VMEM -> MXU one dependent push at a
-# time). tgmm's window streams its whole f32 (tk, cols) accumulator through VMEM (one load and
-# one store per vreg, independent of each other), and the LLO dumps of tgmm
-# (tile_model_calibration.json "tgmm_points") never show those stretched: at Qwen3-30B-A3B
-# gate_up (tk 2048, cols 1536) every window loop is MXU-bound (v6e: MXU 0.90-0.93, VSTORE
-# 0.49-0.50 of its slots). `tgmm_window_units` scales its load / store counts by
-# TGMM_MEMORY_ISSUE / memory_issue so the shared `tile_bundles` charges them at this factor.
-TGMM_MEMORY_ISSUE = {"v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x": 1.0}
+# time). tgmm's window streams its whole f32 (tk, cols) running sum through VMEM (one load and
+# one store per vreg) and writes it, cast, into the output block. Fitted (least worst error) on
+# the LLO dumps of the current kernel (tile_model_calibration.json "tgmm_points",
+# benchmarks/tgmm_calibration.py): v5e's windows stay at their MXU floor (1.0 fits); on v6e /
+# TPU7x the tails of 128-256 rows, one MXU pass on a 256-wide MXU, are bound by those stores
+# (1.45). `tgmm_window_units` scales its load / store counts by TGMM_MEMORY_ISSUE /
+# memory_issue so the shared `tile_bundles` charges them at this factor.
+TGMM_MEMORY_ISSUE = {"v5e": 1.0, "v5p": 1.0, "v6e": 1.45, "tpu7x": 1.45}
+
+# An empty group's grid step zero-fills its output block: stores only, where the shared
+# `step_vreg_bundles` was fitted on passes that load and store each vreg. Fitted on the step
+# points of the same dumps (0.7: -20% .. +15% over 15 points; 1.0 would be +4% .. +55%).
+TGMM_ZERO_FILL_SHARE = 0.7
 
 
 # tgmm candidates whose ranked time is within this factor of the fastest are ties (fewest HBM
@@ -749,20 +756,26 @@ TGMM_MEMORY_ISSUE = {"v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x": 1.0}
 TGMM_RANKING_TOLERANCE = 0.08
 
 
-def tgmm_window_units(gen: TpuGeneration, rows, tk: int, cols: int, lhs_dtype, dout_dtype) -> dict:
+def tgmm_window_units(
+    gen: TpuGeneration, rows, tk: int, cols: int, lhs_dtype, dout_dtype, out_dtype=None
+) -> dict:
     """What one tgmm window (lhs rows (rows, tk) transposed times dout rows (rows, cols), the
-    kernel's `window` at one column chunk, added into the f32 (tk, cols) accumulator) pushes
+    kernel's `window` at one column chunk, added into the f32 (tk, cols) running sum) pushes
     through the MXU and moves through VMEM. The dout rows are the MXU's stationary operand and
     the transposed lhs streams through it 16 of its tk rows per push, so a window pushes
     ceil(tk / 16) x ceil(rows / mxu_size) x ceil(cols / mxu_size) times: a 16-row tail costs a
     full window's pushes on a 256-wide MXU (the dumps' vmatmul counts: 768 for every bucket of
-    16 to 256 rows at tk 2048, cols 1536 on v6e). The accumulator is loaded and stored whole per
-    window (tk x cols / 1024 vregs), the operands loaded once; the load / store counts are scaled
-    to tgmm's own issue factor (TGMM_MEMORY_ISSUE). `rows` may be an array."""
+    16 to 256 rows at tk 2048, cols 1536 on v6e). The running sum is loaded and stored whole per
+    window (tk x cols / 1024 vregs) and, unless the output (`out_dtype`, default lhs dtype) is
+    f32 and is the sum itself, also written cast into the output block; the operands are loaded
+    once. The load / store counts are scaled to tgmm's own issue factor (TGMM_MEMORY_ISSUE).
+    `rows` may be an array."""
     rows = np.asarray(rows, dtype=np.int64)
     side = gen.mxu_size
     pushes = -(-tk // 16) * (-(-rows // side)) * -(-cols // side)
     acc = -(-tk // 8) * -(-cols // 128)
+    ob = _itemsize(out_dtype or lhs_dtype)
+    out = 0 if ob == 4 else -(-tk * cols * ob // 4096)
     operands = -(-rows * tk * _itemsize(lhs_dtype) // 4096) + (
         -(-rows * cols * _itemsize(dout_dtype) // 4096)
     )
@@ -770,7 +783,7 @@ def tgmm_window_units(gen: TpuGeneration, rows, tk: int, cols: int, lhs_dtype, d
     return {
         "mxu_pushes": pushes,
         "vmem_loads": np.round((acc + operands) * scale).astype(np.int64),
-        "vmem_stores": np.full(rows.shape, round(acc * scale), dtype=np.int64),
+        "vmem_stores": np.full(rows.shape, round((acc + out) * scale), dtype=np.int64),
     }
 
 
@@ -786,16 +799,18 @@ def _work_list_windows(wl, compute, tm: int, buckets) -> tuple[list[int], list[i
     return rows, counts
 
 
-def _tgmm_window_totals(gen, window_rows, window_counts, tk, cols, lhs_dtype, dout_dtype) -> dict:
-    """tgmm windows: `window_counts[i]` windows of `window_rows[i]` rows each, summed."""
-    u = tgmm_window_units(gen, window_rows, tk, cols, lhs_dtype, dout_dtype)
+def _tgmm_window_totals(gen, window_rows, window_counts, tk, cols, *dtypes) -> dict:
+    """tgmm windows: `window_counts[i]` windows of `window_rows[i]` rows each, summed. `dtypes`:
+    lhs, dout and (optional) output dtypes."""
+    u = tgmm_window_units(gen, window_rows, tk, cols, *dtypes)
     return _summed_windows(u, window_counts)
 
 
-def _tgmm_step_vregs(tk: int, tn: int) -> int:
-    """f32 accumulator vregs a tgmm output block's grid steps zero / write back: its (tk, tn)
-    accumulator (what the dumps' grid-step bundles outside the windows scale with)."""
-    return -(-tk // 8) * -(-tn // 128)
+def _tgmm_step_vregs(tk: int, tn: int, out_dtype) -> int:
+    """Vregs of the one thing a tgmm grid step writes outside its windows: an empty group's
+    (tk, tn) output block, zero (what the dumps' grid-step bundles outside the windows scale
+    with; a group with rows is written by its windows, `kernel._tgmm_kernel`)."""
+    return round(TGMM_ZERO_FILL_SHARE * -(-tk * tn * _itemsize(out_dtype) // 4096))
 
 
 def tgmm_candidate_cost(
@@ -815,7 +830,8 @@ def tgmm_candidate_cost(
     HBM bytes and grid steps of `_tgmm_traffic`, MXU FLOPs with the expected row padding, the
     unit counts of the expected row windows (`_expected_windows`, at every (K tile, N tile,
     column chunk)) and the accumulator vregs of the num_groups output blocks per (K, N) tile."""
-    lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
+    dtypes = (lhs_dtype, dout_dtype, out_dtype)
+    lb, db, ob = (_itemsize(d) for d in dtypes)
     unit = row_unit(lhs_dtype, dout_dtype)
     _, windows = _expected_windows(m, num_groups, tm, unit)
     items = -(-m // tm) + num_groups  # the tgmm work list: one item per group even when empty
@@ -825,8 +841,9 @@ def tgmm_candidate_cost(
     cn = window_cols(tk, tn, gen, tm, unit)
     reps = kt * nt * (tn // cn)
     units = _tgmm_window_totals(
-        gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, lhs_dtype, dout_dtype
+        gen, [r for r, _ in windows], [reps * c for _, c in windows], tk, cn, *dtypes
     )
+    empty = max(num_groups - m, 0)  # the representative routing leaves no group empty if it can
     return KernelCost(
         useful_flops=2 * m * k * n,
         mxu_flops=int(flops),
@@ -834,7 +851,7 @@ def tgmm_candidate_cost(
         min_hbm_bytes=m * k * lb + m * n * db + num_groups * k * n * ob,
         grid_steps=int(steps),
         vmem_bytes=int(tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype)),
-        step_vregs=kt * nt * num_groups * _tgmm_step_vregs(tk, tn),
+        step_vregs=kt * nt * empty * _tgmm_step_vregs(tk, tn, out_dtype),
         **units,
     )
 
@@ -1238,11 +1255,12 @@ def estimate_cost(
         cn = window_cols(tk, tn, gen, tm, unit)
         reps = kt * nt * (tn // cn)
         window_rows, window_counts = _work_list_windows(wl, compute, tm, buckets)
+        dtypes = (lhs_dtype, rhs_dtype, out_dtype)
         units = _tgmm_window_totals(
-            gen, window_rows, [reps * c for c in window_counts], tk, cn, lhs_dtype, rhs_dtype
+            gen, window_rows, [reps * c for c in window_counts], tk, cn, *dtypes
         )
-        out_blocks = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
-        units["step_vregs"] = kt * nt * out_blocks * _tgmm_step_vregs(tk, tn)
+        empty_blocks = int((((wl["FLAGS"] & F_FIRST) != 0) & ~compute).sum())
+        units["step_vregs"] = kt * nt * empty_blocks * _tgmm_step_vregs(tk, tn, out_dtype)
     if count_work_list:
         hbm += LAYOUT.nbytes(L)
     return KernelCost(
