@@ -75,7 +75,6 @@ def _windows(schedule: dict) -> tuple[dict, list[dict]]:
 
 def points_of(cfg, schedule: dict, T, gens) -> list[dict]:
     gen_name, shape, (tm, tk, tn) = cfg
-    g = gens.GENERATIONS[gen_name]
     unit = T.row_unit("bfloat16", "bfloat16")
     rows_of = [T.row_chunk(tm)] + list(T.bucket_sizes(tm, unit))
     cols = T.window_cols(tk, tn, T.get_generation(gen_name), tm, unit)
@@ -92,72 +91,59 @@ def points_of(cfg, schedule: dict, T, gens) -> list[dict]:
         "full-window loop, then one 0/1-trip loop per tail bucket (a column-chunk loop inside "
         "each where the window's columns are chunked: the point is one chunk)",
     )
-    points = []
-    for i, (rows, lp) in enumerate(zip(rows_of, windows)):
-        own = lp["own"]
-        u = T.tgmm_window_units(g, rows, tk, cols, "bfloat16", "bfloat16")
-        model, floor = _window_model(g, rows, tk, cols, T, gens)
-        points.append(
-            dict(
-                kind="window",
-                **common,
-                rows=rows,
-                tk=tk,
-                cols=cols,
-                loop="full row window (hot loop)" if i == 0 else f"tail bucket of {rows} rows",
-                dump_bundles=own["bundles"],
-                dump_vmatmul=own["ops"].get("vmatmul", 0),
-                dump_mxu_occupancy=own["occupancy"]["MXU"],
-                dump_vstore_occupancy=own["occupancy"]["VSTORE"],
-                dump_bound=own["bound"],
-                model_pushes=int(u["mxu_pushes"]),
-                model_bundles=round(float(model), 1),
-                mxu_floor_cycles=round(floor, 1),
-                model_error=round(max(model, floor) / max(own["bundles"], floor) - 1, 4),
-            )
+    points = [
+        dict(
+            kind="window",
+            **common,
+            rows=rows,
+            tk=tk,
+            cols=cols,
+            loop="full row window (hot loop)" if i == 0 else f"tail bucket of {rows} rows",
+            dump_bundles=lp["own"]["bundles"],
+            dump_vmatmul=lp["own"]["ops"].get("vmatmul", 0),
+            dump_mxu_occupancy=lp["own"]["occupancy"]["MXU"],
+            dump_vstore_occupancy=lp["own"]["occupancy"]["VSTORE"],
+            dump_bound=lp["own"]["bound"],
         )
-    vregs = T._tgmm_step_vregs(tk, tn, "bfloat16")
-    model = gens.step_bundles(g, step_vregs=vregs, grid_steps=1)
+        for i, (rows, lp) in enumerate(zip(rows_of, windows))
+    ]
     points.append(
         dict(
             kind="step",
             **common,
-            step_vregs=vregs,
             dump_bundles=grid["own"]["bundles"],
-            model_bundles=round(float(model), 1),
-            model_error=round(model / grid["own"]["bundles"] - 1, 4),
             loop="the grid loop's own bundles (outside the window loops: an empty group's zero "
             "output block, work-list reads, DMA issue)",
         )
     )
-    return points
+    return [_remodelled(pt, T, gens) for pt in points]
 
 
 def _remodelled(pt: dict, T, gens) -> dict:
-    """A stored point with the model's fields recomputed from its dump numbers."""
+    """A point with the model's fields (re)computed from its dump numbers, as
+    tests/test_ragged_dot_kernel.py `test_tgmm_window_model_matches_the_dumps` does: a step
+    against step_bundles, a window as max(bundles, MXU floor) on both sides."""
     g = gens.GENERATIONS[pt["generation"]]
-    t = pt["tiles"]
     if pt["kind"] == "step":
-        vregs = T._tgmm_step_vregs(t["tk"], t["tn"], "bfloat16")
+        vregs = T._tgmm_step_vregs(pt["tiles"]["tk"], pt["tiles"]["tn"], "bfloat16")
         model = gens.step_bundles(g, step_vregs=vregs, grid_steps=1)
         err = model / pt["dump_bundles"] - 1
         return {**pt, "step_vregs": vregs, "model_bundles": round(float(model), 1),
                 "model_error": round(err, 4)}  # fmt: skip
-    model, floor = _window_model(g, pt["rows"], pt["tk"], pt["cols"], T, gens)
-    err = max(model, floor) / max(pt["dump_bundles"], floor) - 1
-    return {**pt, "model_bundles": round(float(model), 1), "model_error": round(err, 4)}
-
-
-def _window_model(g, rows: int, tk: int, cols: int, T, gens) -> tuple[float, float]:
-    """(the shared model's bundles for a bf16 tgmm window, its MXU floor in cycles)."""
+    rows, tk, cols = pt["rows"], pt["tk"], pt["cols"]
     u = T.tgmm_window_units(g, rows, tk, cols, "bfloat16", "bfloat16")
-    model = gens.tile_bundles(
-        g,
-        mxu_pushes=int(u["mxu_pushes"]),
-        vmem_loads=int(u["vmem_loads"]),
-        vmem_stores=int(u["vmem_stores"]),
+    model = float(
+        gens.tile_bundles(
+            g,
+            mxu_pushes=int(u["mxu_pushes"]),
+            vmem_loads=int(u["vmem_loads"]),
+            vmem_stores=int(u["vmem_stores"]),
+        )
     )
-    return float(model), 2 * rows * tk * cols / g.bf16_flops * g.clock_hz
+    floor = 2 * rows * tk * cols / g.bf16_flops * g.clock_hz
+    err = max(model, floor) / max(pt["dump_bundles"], floor) - 1
+    return {**pt, "model_pushes": int(u["mxu_pushes"]), "model_bundles": round(model, 1),
+            "mxu_floor_cycles": round(floor, 1), "model_error": round(err, 4)}  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -376,8 +376,9 @@ def _run_weights(wl_ref, rhs_hbm, slots, sems, slot_ref, nb, j, L, col_offsets, 
     HBM and each run of items of one group (schedule.py: GROUP never decreases) has a VMEM slot
     of two: when a run starts, the next run's block (NEXT, or the first run of the next N tile)
     is started into the other slot, then this run's block (started when the previous run
-    started) is waited for, so each copy hides under the whole run before its own. The chain crosses N tiles, so the N grid
-    axis is sequential ("arbitrary"; tiling.prefetches_runs takes single-core devices only).
+    started) is waited for, so each copy hides under the whole run before its own. The chain
+    crosses N tiles, so the N grid axis is sequential ("arbitrary"; tiling.prefetches_runs takes
+    single-core devices only).
     Returns the current slot's views, one per weight ref."""
     nt = pl.num_programs(0)
     group = _field(wl_ref, "GROUP", j, L)
@@ -764,7 +765,8 @@ def gmm_gated(
 
 
 def _tgmm_kernel(wl_ref, lhs_ref, dout_ref, out_ref, *scratch, L, tk, tn, buckets, unit, rc, cn):
-    """`scratch`: the f32 accumulator, or nothing when the output is f32 (it accumulates in place)."""
+    """`scratch`: the f32 accumulator, or nothing when the output is f32 and holds the sum itself
+    (tiling.tgmm_sums_in_output)."""
     (acc_ref,) = scratch or (out_ref,)
     j = pl.program_id(2)
     flags = _field(wl_ref, "FLAGS", j, L)
@@ -858,7 +860,6 @@ def tgmm(
         group_sizes.astype(jnp.int32), m=m, tm=tm, buckets=buckets, unit=unit, kind="tgmm", xp=jnp
     )
     need = _tiling.tgmm_vmem_bytes(tm, tk, tn, lhs.dtype, dout.dtype, out_dtype)
-    f32_out = out_dtype == jnp.dtype(jnp.float32)
     cost = _tiling.call_cost("tgmm", m, k, n, num_groups, lhs.dtype, dout.dtype, out_dtype, t)
     call = pl.pallas_call(
         functools.partial(
@@ -879,7 +880,11 @@ def tgmm(
             out_specs=pl.BlockSpec(
                 (None, tk, tn), lambda kb, nb, j, wl_ref: (_field(wl_ref, "OUT", j, L), kb, nb)
             ),
-            scratch_shapes=[] if f32_out else [pltpu.VMEM((tk, tn), jnp.float32)],
+            scratch_shapes=(
+                []
+                if _tiling.tgmm_sums_in_output(out_dtype)
+                else [pltpu.VMEM((tk, tn), jnp.float32)]
+            ),
         ),
         compiler_params=_compiler_params(
             ("parallel", "parallel", "arbitrary"),

@@ -150,10 +150,16 @@ def gmm_vmem_bytes(
     return need
 
 
+def tgmm_sums_in_output(out_dtype) -> bool:
+    """tgmm keeps its f32 running sum in the output block itself (no accumulator scratch, no
+    cast copy per window) when the output is f32."""
+    return np.dtype(out_dtype) == np.dtype(np.float32)
+
+
 def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
     lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
     need = 2 * tm * tk * lb + 2 * tm * tn * db + 2 * tk * tn * ob
-    need += tk * tn * 4 if ob != 4 else 0  # f32 accumulator (an f32 output block is its own)
+    need += 0 if tgmm_sums_in_output(out_dtype) else tk * tn * 4  # f32 accumulator
     need += 2 * tk * tn * 4  # matmul result and merged value
     need += tm * tk * lb + tm * tn * db  # row-masked operand copies
     return need
@@ -774,8 +780,8 @@ def tgmm_window_units(
     side = gen.mxu_size
     pushes = -(-tk // 16) * (-(-rows // side)) * -(-cols // side)
     acc = -(-tk // 8) * -(-cols // 128)
-    ob = _itemsize(out_dtype or lhs_dtype)
-    out = 0 if ob == 4 else -(-tk * cols * ob // 4096)
+    out_dtype = out_dtype or lhs_dtype
+    out = 0 if tgmm_sums_in_output(out_dtype) else -(-tk * cols * _itemsize(out_dtype) // 4096)
     operands = -(-rows * tk * _itemsize(lhs_dtype) // 4096) + (
         -(-rows * cols * _itemsize(dout_dtype) // 4096)
     )
@@ -829,7 +835,7 @@ def tgmm_candidate_cost(
     """The KernelCost the tile search ranks a tgmm candidate by, for routed groups it cannot see:
     HBM bytes and grid steps of `_tgmm_traffic`, MXU FLOPs with the expected row padding, the
     unit counts of the expected row windows (`_expected_windows`, at every (K tile, N tile,
-    column chunk)) and the accumulator vregs of the num_groups output blocks per (K, N) tile."""
+    column chunk)) and the zero-fill vregs of empty groups' output blocks per (K, N) tile."""
     dtypes = (lhs_dtype, dout_dtype, out_dtype)
     lb, db, ob = (_itemsize(d) for d in dtypes)
     unit = row_unit(lhs_dtype, dout_dtype)
@@ -1250,7 +1256,8 @@ def estimate_cost(
         vmem = tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
         # What the windows push through each unit: every computing item runs NFULL full row
         # windows and at most one tail window (its bucket), at each (K tile, N tile, column
-        # chunk); each group's first / last item zeroes / writes back the (tk, tn) accumulator.
+        # chunk); an empty group's item zero-fills its output block (the others' windows write
+        # theirs, kernel._tgmm_kernel).
         gen = get_generation(generation)
         cn = window_cols(tk, tn, gen, tm, unit)
         reps = kt * nt * (tn // cn)
