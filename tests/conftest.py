@@ -5,6 +5,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU compiles each interpret-mode kernel (discharged into loops of small ops) to run it once
+# on a few tiles; LLVM's optimisation passes were a quarter to a third of the slowest such tests
+# (the dense flash sweep 31 -> 19 s). libtpu's deviceless compiles ignore both flags (the same
+# LLO schedule, bundle for bundle, with and without them). Set before JAX starts a backend;
+# subprocesses (emulated devices, benchmark programs) inherit them.
+_CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_COMPILE_FLAGS}".strip()
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

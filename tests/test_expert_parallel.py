@@ -245,7 +245,9 @@ def compile_sharded(generation: str, collectives: str, shapes=QWEN3_30B, grad: b
 @pytest.mark.compile
 @pytest.mark.parametrize(
     "generation,collectives",
-    [("v6e", "ragged_all_to_all"), ("tpu7x", "ragged_all_to_all"), ("tpu7x", "all_gather")],
+    # TPU7x's ragged all-to-all forward compiles inside test_compiles_sharded_backward in CI
+    [("v6e", "ragged_all_to_all"), ("tpu7x", "all_gather")]
+    + ([("tpu7x", "ragged_all_to_all")] if tpu_compile.LONG_FORM else []),
 )
 def test_compiles_sharded_layer(generation, collectives):
     """The whole sharded layer (dispatch, both gmm kernels on the local experts, combine) compiles

@@ -5,8 +5,9 @@ tokens, Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, top-2) at 4096
 projection the forward gmm (weights as Transformers stores them, [E, out, in]), dlhs (the same
 weights read with the other layout flag) and tgmm, in bf16 with the default tiling of the
 generation; plus the quantised forward (int8 on v5e / v6e, float8_e4m3fn on TPU7x). In CI every
-kernel compiles on every generation at some production shape and every (model, projection) on some
-generation (tpu_compile.generation_per_case); HYPOTHESIS_PROFILE=sweep compiles the whole matrix.
+kernel compiles on every generation at some production shape, the forward every (model, projection)
+on some generation (tpu_compile.generation_per_case); HYPOTHESIS_PROFILE=sweep compiles the whole
+matrix.
 """
 
 import functools
@@ -43,14 +44,11 @@ def _compile_gmm(
     return tpu_compile.compile_for(gen, fn, *args)
 
 
-# The forward at Qwen3-30B-A3B 4096 tokens on every generation, the other (model, projection)
-# cases on one generation each in CI (every generation for every case in the long form).
+# The forward at every (model, projection), each on one generation in CI (every generation gets
+# two, one at 4096 tokens); every generation for every case in the long form.
 @pytest.mark.parametrize(
     "generation,model,projection",
-    [(g, "qwen3_30b_a3b_4096tok", p) for g in tpu_compile.TESTED_GENERATIONS for p in (0, 1)]
-    + tpu_compile.generation_per_case(
-        [(m, p) for m in MODELS if m != "qwen3_30b_a3b_4096tok" for p in (0, 1)]
-    ),
+    tpu_compile.generation_per_case([(m, p) for m in MODELS for p in (0, 1)]),
 )
 def test_compiles_forward(generation, model, projection):
     tokens, experts, top_k, projections = MODELS[model]
@@ -61,11 +59,20 @@ def test_compiles_forward(generation, model, projection):
     assert tpu_compile.xla_while_loops(compiled) == []
 
 
-# The two backward kernels at every (model, projection), each case on one generation in CI
-# (every generation gets two: tpu_compile.generation_per_case); all of them in the long form.
+# The two backward kernels at the training shapes, one case per generation in CI (Qwen3-30B-A3B
+# down on v5e, Mixtral-8x7B gate_up on v6e, Qwen3-30B-A3B gate_up on TPU7x: 10-28 s each); every
+# (model, projection), decode included, on every generation in the long form.
 @pytest.mark.parametrize(
     "generation,model,projection",
-    tpu_compile.generation_per_case([(m, p) for m in MODELS for p in (0, 1)]),
+    tpu_compile.generation_per_case(
+        [(m, p) for m in MODELS for p in (0, 1)]
+        if tpu_compile.LONG_FORM
+        else [
+            ("qwen3_30b_a3b_4096tok", 1),
+            ("mixtral_8x7b_4096tok", 0),
+            ("qwen3_30b_a3b_4096tok", 0),
+        ]
+    ),
 )
 def test_compiles_dlhs_and_tgmm(generation, model, projection):
     tokens, experts, top_k, projections = MODELS[model]
@@ -84,7 +91,8 @@ def test_compiles_dlhs_and_tgmm(generation, model, projection):
 @pytest.mark.parametrize(
     "generation,model",
     [(g, "qwen3_30b_a3b_4096tok") for g in tpu_compile.TESTED_GENERATIONS]
-    + tpu_compile.generation_per_case(["mixtral_8x7b_4096tok"], start=1),
+    # Mixtral-8x7B in the long form only (the same kernel at a wider weight block)
+    + (tpu_compile.generation_per_case(["mixtral_8x7b_4096tok"]) if tpu_compile.LONG_FORM else []),
 )
 def test_compiles_quantised_forward(generation, model):
     tokens, experts, top_k, projections = MODELS[model]
@@ -105,10 +113,12 @@ def test_compiles_quantised_forward(generation, model):
     )
 
 
-def test_f32_gmm_and_tgmm_compile_at_highest_precision():
+# v5e in CI, every generation in the long form.
+@pytest.mark.parametrize("gen", tpu_compile.one_generation(0))
+def test_f32_gmm_and_tgmm_compile_at_highest_precision(gen):
     """f32 operands multiply at HIGHEST precision (a TPU v5e chip left 2.4e-3 relative error at
-    the MXU's default one-pass bf16): Mosaic must lower those dots, forward and tgmm."""
-    gen = tpu_compile.TESTED_GENERATIONS[0]
+    the MXU's default one-pass bf16): Mosaic must lower those dots, forward and tgmm (whose f32
+    output is its own accumulator: tiling.tgmm_sums_in_output)."""
     m, k, n, g = 1024, 512, 512, 8
     f32 = jnp.float32
     assert _compile_gmm(gen, m, k, n, g, transpose_rhs=False, rhs_dtype=f32, lhs_dtype=f32)
