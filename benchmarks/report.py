@@ -310,6 +310,8 @@ TRAINING_FILES = (
     "v5e_train_tgmm_before_write_through.json",
     "v5e_train_tgmm_write_through.json",
     "v5e_train_dlhs_gated_retimed.json",
+    # ours' dlhs after the gmm's windows wrote its output block (one K block: no accumulator)
+    "v5e_train_dlhs_write_through.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

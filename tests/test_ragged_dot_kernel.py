@@ -279,17 +279,33 @@ def _tpu_interpret(fn):
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gmm_tpu_interpret(transpose_rhs):
-    gs = [0, 9, 1, 14, 0, 6]  # sum 30 < 40; K = 200 has a tail in the 128-wide K tile
-    c = dict(dtype=jnp.float32, m=40, k=200, n=256, group_sizes=gs, seed=5)
+@pytest.mark.parametrize(
+    "transpose_rhs,dtype,tk",
+    [
+        # K = 200 in 128-wide K tiles: a K tail, and the f32 accumulator across two K blocks
+        (False, jnp.float32, 128),
+        (True, jnp.float32, 128),
+        # one K block: no accumulator, the windows write the output block
+        # (tiling.gmm_sums_in_output), in f32 and in bf16 (packed 16-row output tiles)
+        (True, jnp.float32, 200),
+        (False, jnp.bfloat16, 200),
+    ],
+)
+def test_gmm_tpu_interpret(transpose_rhs, dtype, tk):
+    """With NaN-filled uninitialised VMEM: every output row is written (a window's rows, or zero
+    past sum(group_sizes)), whether through the accumulator or straight into the output block."""
+    gs = [0, 9, 1, 14, 0, 6]  # sum 30 < 40
+    c = dict(dtype=dtype, m=40, k=200, n=256, group_sizes=gs, seed=5)
     lhs, rhs, gsa = _arrays(c, transpose_rhs)
-    tiling = T.GmmTiling(16, 128, 128)
+    tiling = T.GmmTiling(16, tk, 128)
+    assert T.gmm_sums_in_output(200, tk, dtype, dtype) == (tk == 200)
     out = _tpu_interpret(
         lambda p: K.gmm(lhs, rhs, gsa, transpose_rhs=transpose_rhs, tiling=tiling, interpret=p)
     )
     ref = R.gmm_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
-    np.testing.assert_allclose(np.asarray(out), ref, **TOL[jnp.float32])
+    tol = BF16_OUT if dtype == jnp.bfloat16 else TOL[dtype]  # a bf16 output: its rounding
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, **tol)
+    assert np.all(np.asarray(out, np.float32)[sum(gs) :] == 0)
 
 
 @pytest.mark.tpu_interpret
@@ -945,6 +961,27 @@ def test_tgmm_step_cost_counts_only_empty_groups():
             )
             assert c.step_vregs == 2 * empty * T._tgmm_step_vregs(128, 128, out_dtype)
     assert T._tgmm_step_vregs(128, 128, "float32") > T._tgmm_step_vregs(128, 128, "bfloat16") > 0
+
+
+def test_gmm_step_cost_counts_accumulator_code_only_where_there_is_one():
+    """gmm with one K block has no accumulator (tiling.gmm_sums_in_output: its windows write the
+    output block): estimate_cost charges step_vregs only for the items of rows past
+    sum(group_sizes), one select pass over their output tile each; with several K blocks every
+    output tile's accumulator is zeroed and written back."""
+    per_tile = T._step_vregs(32, 128, None)
+    for tk, gs, tiles_charged in (
+        (256, [40, 24], 0),  # all 64 rows are groups': no step code
+        (256, [20, 24], 1),  # rows 44..63 past the groups: the virtual item of tile 1
+        (128, [40, 24], 2),  # two K blocks: both row tiles' accumulators
+    ):
+        assert T.gmm_sums_in_output(256, tk, "bfloat16", "bfloat16") == (tk == 256)
+        c = T.estimate_cost(
+            "gmm", (64, 256), (2, 256, 128), gs, tiles=T.GmmTiling(32, tk, 128), generation="v6e"
+        )
+        assert c.step_vregs == tiles_charged * per_tile, (tk, gs, c.step_vregs)
+    # an f32 lhs (8-row unit) cannot write a bf16 output's 16-row packed tiles at its offsets
+    assert not T.gmm_sums_in_output(256, 256, "float32", "bfloat16")
+    assert not T.gmm_sums_in_output(256, 256, "bfloat16", "bfloat16", "concatenated")
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])

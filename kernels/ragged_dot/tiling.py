@@ -11,7 +11,8 @@ by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) o
 `gmm_candidate_cost`: the HBM bytes and grid steps of `estimate_cost`'s closed form, and what the
 expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
 calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
-its rows) plus the grid steps' own accumulator code, with the compute and the copies overlapped
+its rows) plus the grid steps' own accumulator code (none with one K block, where the windows
+write the output block: `gmm_sums_in_output`), with the compute and the copies overlapped
 grid step by grid step on a representative routing (`gmm_step_profile`: a group's first step
 copies a whole weight block, and a step with few rows cannot hide it); candidates within
 RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes, then to the faster
@@ -23,10 +24,9 @@ window of any rows up to the MXU side pushes as much as a full one, and each win
 writes its whole f32 (tk, tn) running sum and writes it, cast, into the output block) and the
 zero-fill of empty groups' output blocks, ties within TGMM_RANKING_TOLERANCE to the fewest HBM
 bytes.
-The VMEM budget model counts every buffer
-the kernel holds: double-buffered input and output blocks, the f32 accumulator, the quantisation
-scales, the dequantised weight copy, the masked K-tail copies and the f32 matmul result before it
-is merged into the accumulator. Any of tm / tk / tn can be overridden; the rest are searched.
+The VMEM budget model counts every buffer the kernel holds: double-buffered input and output
+blocks, the f32 accumulator (where it has one), the quantisation scales, the dequantised weight
+copy, the masked K-tail copies and the f32 matmul result before it is merged. Any of tm / tk / tn can be overridden; the rest are searched.
 The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
 (concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
 `call_cost` gives every pallas_call its CostEstimate from the same closed forms.
@@ -136,7 +136,8 @@ def gmm_vmem_bytes(
     if gate_layout is not None:
         tn = 2 * tn
     need = 2 * tm * tk * lb + 2 * tk * tn * wb + 2 * tm * out_tn * ob  # double-buffered blocks
-    need += tm * tn * 4  # f32 accumulator
+    if k is None or not gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout):
+        need += tm * tn * 4  # f32 accumulator
     need += 2 * tm * tn * 4  # f32 matmul result and the merged value before the select
     if quantised:
         need += 2 * 8 * tn * 4  # scale blocks (1, tn) f32, padded to 8 sublanes, double-buffered
@@ -148,6 +149,14 @@ def gmm_vmem_bytes(
         if gate_layout == "interleaved":
             need += tn * out_tn * 4  # the lane-selection matrix
     return need
+
+
+def gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout=None) -> bool:
+    """gmm writes each window's finished rows straight into the output block (no f32 accumulator,
+    no zeroing or copy-out pass per row tile) when one K block holds all of K (a row's sum is one
+    window's product), the gmm is not gated (the epilogue pairs two sums) and an lhs row unit is
+    a whole number of the output's packed rows (the windows' dynamic row offsets stay aligned)."""
+    return -(-k // tk) == 1 and gate_layout is None and row_unit(out_dtype) <= row_unit(lhs_dtype)
 
 
 def tgmm_sums_in_output(out_dtype) -> bool:
@@ -659,7 +668,10 @@ def gmm_candidate_cost(
                 gate_layout=gate_layout,
             )
         ),
-        step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
+        # the windows write the output block themselves: no per-tile accumulator code
+        step_vregs=0
+        if gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout)
+        else nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
         step_profile=gmm_step_profile(
             m,
             k,
@@ -1207,7 +1219,7 @@ def estimate_cost(
         )
         # What the windows push through each unit: every computing item runs NFULL full row
         # windows and at most one tail window (its bucket), at each (N tile, K tile, column
-        # chunk); each output tile's first / last item zeroes / writes back its accumulator.
+        # chunk), and the grid steps' own code (below).
         gen = get_generation(generation)
         n_rhs, cols = _weight_blocks(tn, gate_layout)
         cn = window_cols(tk, cols, gen, tm, unit, n_rhs)
@@ -1218,7 +1230,13 @@ def estimate_cost(
         )
         if gate_layout == "interleaved":
             units["mxu_pushes"] += nt * -(-m // tm) * mxu_pushes(gen, tm, 2 * tn, tn)
-        out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
+        if gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout):
+            # no accumulator: only the items of rows past sum(group_sizes) run code of their
+            # own, one select pass over their output tile
+            flags = wl["FLAGS"]
+            out_tiles = int((((flags & F_VALID) != 0) & ((flags & F_COMPUTE) == 0)).sum())
+        else:  # each output tile's first item zeroes, its last writes back the accumulator
+            out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
         units["step_vregs"] = nt * out_tiles * _step_vregs(tm, tn, gate_layout)
         vmem = gmm_vmem_bytes(
             tm,
