@@ -536,9 +536,11 @@ MEASURED_FILES = (
     "v5e_ragged_ours_run_ahead_sweep_picks.json",
     "v5e_ragged_ours_run_ahead_tiles.json",
     # the gmm's windows write its output block where one K block holds all of K (no accumulator
-    # zeroing or copy-out per row tile), at the tiles the kernel then picks;
-    # v5e_ragged_ours_before_write_through.json is the previous kernel timed in the same session
-    "v5e_ragged_ours_write_through.json",
+    # zeroing or copy-out per row tile), at the kernel's tiles (unchanged by it);
+    # v5e_ragged_ours_before_write_through.json is the previous kernel timed in the same session,
+    # v5e_ragged_ours_write_through.json the new one again with Qwen3-30B-A3B 16384 at 256-row
+    # tiles (a step model the chip then overruled: tiling._step_vregs)
+    "v5e_ragged_ours_write_through_same_tiles.json",
 )
 
 

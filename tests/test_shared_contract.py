@@ -560,10 +560,7 @@ def test_choose_tiles_ranks_with_the_shared_model(family, monkeypatch):
         (tm, tk, tn, *_), cost, _ = picked[0]
         assert (tiles.tm, tiles.tk, tiles.tn) == (tm, tk, tn)
         assert cost.compute_tiles > 0 and cost.mxu_pushes > 0
-        assert cost.vmem_loads > 0 and cost.vmem_stores > 0
-        # per-tile accumulator code only where there is an accumulator (more than one K block)
-        sums = pkg.tiling.gmm_sums_in_output(1024, tk, "bfloat16", "bfloat16")
-        assert (cost.step_vregs == 0) == sums, (tk, cost.step_vregs)
+        assert cost.vmem_loads > 0 and cost.vmem_stores > 0 and cost.step_vregs > 0
 
 
 def test_ranked_seconds_overlaps_dma_with_tile_bundles():

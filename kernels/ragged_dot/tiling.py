@@ -11,8 +11,7 @@ by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) o
 `gmm_candidate_cost`: the HBM bytes and grid steps of `estimate_cost`'s closed form, and what the
 expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
 calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
-its rows) plus the grid steps' own accumulator code (none with one K block, where the windows
-write the output block: `gmm_sums_in_output`), with the compute and the copies overlapped
+its rows) plus the grid steps' own accumulator code (`_step_vregs`), with the compute and the copies overlapped
 grid step by grid step on a representative routing (`gmm_step_profile`: a group's first step
 copies a whole weight block, and a step with few rows cannot hide it); candidates within
 RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes, then to the faster
@@ -462,7 +461,15 @@ def _window_totals(gen, window_rows, window_counts, tk, cols, n_rhs, lhs_dtype) 
 
 def _step_vregs(tm: int, tn: int, gate_layout: Optional[str]) -> int:
     """f32 accumulator vregs one grid step's own code zeroes / writes back (what the dumps' per
-    grid step bundles outside the windows scale with)."""
+    grid step bundles outside the windows scale with).
+
+    Still charged per output tile where one K block leaves the kernel no accumulator
+    (`gmm_sums_in_output`: its windows write the output block), which the compiled program no
+    longer runs. Without it the ranking moved v5e Qwen3-30B-A3B 16384 to 256-row tiles, ranked
+    0.4% ahead of 512, which a v5e chip ran 1.5% slower at down (2658 against 2620 us) and level
+    at gate_up (4863 / 4872; results/device/v5e_gmm_tile_sweep_write_through.json): the window
+    model misses what 256-row windows lose to 512-row ones, and this charge stands in for it
+    until the window points are re-dumped from this kernel."""
     n_rhs, cols = _weight_blocks(tn, gate_layout)
     return n_rhs * (-(-tm // 8)) * -(-cols // 128)
 
@@ -668,10 +675,7 @@ def gmm_candidate_cost(
                 gate_layout=gate_layout,
             )
         ),
-        # the windows write the output block themselves: no per-tile accumulator code
-        step_vregs=0
-        if gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout)
-        else nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
+        step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout),
         step_profile=gmm_step_profile(
             m,
             k,
@@ -1230,13 +1234,9 @@ def estimate_cost(
         )
         if gate_layout == "interleaved":
             units["mxu_pushes"] += nt * -(-m // tm) * mxu_pushes(gen, tm, 2 * tn, tn)
-        if gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout):
-            # no accumulator: only the items of rows past sum(group_sizes) run code of their
-            # own, one select pass over their output tile
-            flags = wl["FLAGS"]
-            out_tiles = int((((flags & F_VALID) != 0) & ((flags & F_COMPUTE) == 0)).sum())
-        else:  # each output tile's first item zeroes, its last writes back the accumulator
-            out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
+        # (charged per output tile even where one K block leaves no accumulator to zero or copy:
+        # see _step_vregs)
+        out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
         units["step_vregs"] = nt * out_tiles * _step_vregs(tm, tn, gate_layout)
         vmem = gmm_vmem_bytes(
             tm,
