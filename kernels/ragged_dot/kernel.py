@@ -351,24 +351,14 @@ def _gmm_kernel(
                 d = jax.lax.dot_general(
                     x, w, dims, precision=_precision(x, w), preferred_element_type=jnp.float32
                 )
-                acc_ref = acc_refs[p]
-                if sums_in_output:  # the row's whole sum: finished, cast, written where it goes
-                    fin = finished(p, d, cols).astype(out_ref.dtype)
-                    if not full:
-                        cur = out_ref[pl.ds(s, rows), cols]
-                        out_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, fin, cur)
-                        continue
-                    head = pl.ds(s, unit)
-                    before = out_ref[head, cols]
-                    out_ref[pl.ds(s, rows), cols] = fin
-                    out_ref[head, cols] = jnp.where(row_ok, out_ref[head, cols], before)
-                    continue
+                acc_ref = acc_refs[p]  # the output block itself with sums_in_output
                 if not full:
                     cur = acc_ref[pl.ds(s, rows), cols]
                     # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d
-                    # is NaN.
-                    new = jnp.where(row_ok, finished(p, cur + d, cols), cur)
-                    acc_ref[pl.ds(s, rows), cols] = new
+                    # is NaN. The output block holds no partial sum of these rows to add to.
+                    total = d if sums_in_output else cur + d
+                    new = finished(p, total, cols).astype(acc_ref.dtype)
+                    acc_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, new, cur)
                     continue
                 # The whole window is merged without a select (each product row flows from the MXU
                 # pop to its store), then its first `unit` rows are put back where they belong to
@@ -376,7 +366,7 @@ def _gmm_kernel(
                 head = pl.ds(s, unit)
                 before = acc_ref[head, cols]
                 whole = d if kt == 1 else acc_ref[pl.ds(s, rows), cols] + d
-                acc_ref[pl.ds(s, rows), cols] = finished(p, whole, cols)
+                acc_ref[pl.ds(s, rows), cols] = finished(p, whole, cols).astype(acc_ref.dtype)
                 acc_ref[head, cols] = jnp.where(row_ok, acc_ref[head, cols], before)
 
         _over_chunks(wcols, cn, columns)

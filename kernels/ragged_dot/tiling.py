@@ -11,12 +11,11 @@ by the collection's shared model (tpu_generations.best_tiles / ranked_seconds) o
 `gmm_candidate_cost`: the HBM bytes and grid steps of `estimate_cost`'s closed form, and what the
 expected row windows of routed groups push through the MXU and load from VMEM (`window_units`,
 calibrated on the LLO dumps of this kernel: a tail window loads its whole weight chunk however few
-its rows) plus the grid steps' own accumulator code (`_step_vregs`), with the compute and the copies overlapped
-grid step by grid step on a representative routing (`gmm_step_profile`: a group's first step
-copies a whole weight block, and a step with few rows cannot hide it); candidates within
-RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes, then to the faster
-by the model. tgmm ranks the same way (`_tgmm_search`) on
-`tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
+its rows) plus the grid steps' own accumulator code (`_step_vregs`), with the compute and the
+copies overlapped grid step by grid step on a representative routing (`gmm_step_profile`: a
+group's first step copies a whole weight block, and a step with few rows cannot hide it);
+candidates within RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes,
+then to the faster by the model. tgmm ranks the same way (`_tgmm_search`) on `tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
 through the MXU and move through VMEM (`tgmm_window_units`, calibrated on the LLO dumps of tgmm,
 tile_model_calibration.json "tgmm_points": the dout rows are the MXU's stationary operand, so a
 window of any rows up to the MXU side pushes as much as a full one, and each window reads and
@@ -25,7 +24,8 @@ zero-fill of empty groups' output blocks, ties within TGMM_RANKING_TOLERANCE to 
 bytes.
 The VMEM budget model counts every buffer the kernel holds: double-buffered input and output
 blocks, the f32 accumulator (where it has one), the quantisation scales, the dequantised weight
-copy, the masked K-tail copies and the f32 matmul result before it is merged. Any of tm / tk / tn can be overridden; the rest are searched.
+copy, the masked K-tail copies and the f32 matmul result before it is merged. Any of tm / tk /
+tn can be overridden; the rest are searched.
 The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
 (concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
 `call_cost` gives every pallas_call its CostEstimate from the same closed forms.
