@@ -145,6 +145,38 @@ def test_per_step_overlap_charges_steps_whose_work_does_not_overlap():
         M.scheduled_from_work(model, step_work=dict(same, reads=np.ones(3)), **kw)
 
 
+# A page-copy loop (LB at 0x2) whose back branch is printed one level out (0x4) with its delay
+# slots after it at the loop's depth (0x5-0x6, the DMA in 0x6), and a window loop (LB at 0x8)
+# whose delay slot after its back branch (0xa) holds a store only.
+_DELAY_SLOTS = """
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %s2 = sadd.s32 1, %s1 }
+   0x2 LB: >> { %s3 = sld [smem:[#allocation1 + %s2]] }
+   0x3   : >> { %p4 = scmp.ge.s32.totalorder %s3, %s2 }
+   0x4   : > { %5 = sbr.rel (!%p4) target = $region3 }
+   0x5   : >> { %s6 = scalar_lea.hbm %s3, 64 }
+   0x6   : >> { %7 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s6, /*size_in_granules=*/16 }
+   0x7   : > { %s8 = sadd.s32 %s2, 1 }
+   0x8 LB: >> { %v9 = vld [vmem:[%s1] sm:$0xff] }
+   0x9   : >> { %v10 = vadd.f32 %v9, %v9 }
+   0xa   : > { %11 = sbr.rel (%p4) target = $region8 }
+   0xb   : >> { %12 = vst [vmem:[%s1] sm:$0xff] %v10 }
+   0xc   : > { %13 = sbr.rel (%p4) target = $region1 }
+   0xd   :  { %14 = vsyncpa [#allocation3], 0 }
+"""
+
+
+def test_a_loops_dma_in_its_delay_slots_stays_in_the_loop():
+    """The page-copy loop keeps its back branch and the delay slots holding its DMA (its DMA names
+    it, its bundles per page include them); a loop whose delay slots hold no DMA is read as
+    before (the cached schedules' rule)."""
+    bundles = L.parse_bundles(_DELAY_SLOTS)
+    (outer,) = L._loop_tree(bundles)
+    copies, window = outer.children
+    assert (copies.start, copies.end) == (2, 7)
+    assert (window.start, window.end) == (8, 10)
+
+
 # A grid step that chooses one of two MXU paths inside a `pl.when(valid)` wrapper, the way the
 # paged kernel picks its narrow (decode) or whole-q-block path: bundle 2 skips the wrapper
 # (bundles 3-9), bundle 3 the narrow path (bundle 4), bundle 6 the wide path (bundles 7-8).
@@ -907,6 +939,10 @@ def test_paged_step_loops_are_the_ones_step_loop_trips_names():
     # loop its largest loop
     item = s.hot_loop()
     assert item is s.grid_loop() and item.depth == 1 and model["outside_bundles"] == 0
+    # compiled without Mosaic's DMA bounds checks (kernel.py: page ids clamped instead): no
+    # `shalt.err` guard in the item's code (the kernel's exit keeps its semaphore checks)
+    halts = [op for b in s.bundles[item.start : item.end] for op in b.ops if op.startswith("shalt")]
+    assert not halts, halts
     top = {lp.start: lp for lp in s.loops if lp.depth == 1}
     for level, rows, base in (
         ("item", model["step_loops"], item.start),
