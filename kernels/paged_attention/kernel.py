@@ -406,8 +406,8 @@ def _paged_kernel(
             return
 
         # A partly filled last page: one branch around all of its chunk copies, which a full
-        # item skips (left as separate small conditions, the compiler predicates every chunk's
-        # DMA and bounds checks into straight-line code that each item runs).
+        # item skips (left as separate small conditions, the compiler predicated every chunk's
+        # DMA, with its address arithmetic, into straight-line code that each item ran).
         @pl.when((npages > 0) & partial)
         def _():
             page = page_at(last_p)
