@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -329,7 +330,7 @@ def _loop_tree(bundles: list[Bundle]) -> list[Loop]:
         if b.branch_to is None:
             return False
         depth = stack[-1].depth
-        for nxt in bundles[b.index + 1 :]:
+        for nxt in itertools.islice(bundles, b.index + 1, None):
             if nxt.marker == "LB" or (nxt.depth < depth and nxt.ops):
                 return False
             if any(op.startswith("dma") for op in nxt.ops):

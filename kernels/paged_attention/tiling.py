@@ -599,7 +599,6 @@ def item_units(
 def step_vregs(
     gen: TpuGeneration,
     *,
-    rows: int,
     page_size: int,
     num_kv_heads: int,
     head_dim: int,
@@ -612,9 +611,8 @@ def step_vregs(
     item): the stale-value zeroing of one page slot (loaded and stored) and
     PAGED_STEP_STREAM_VREGS per DMA stream (its page loop's issue and wait, the partial-page
     chunks' branches); less QUAD_STEP_VREGS where the kernel's decode items take the quad path
-    (`quads`: `quad_heads`). `rows` (the q block's) does not enter: the q block's init and
-    write-back run once per grid step, not per item."""
-    del rows
+    (`quads`: `quad_heads`). The q block's rows do not enter: its init and write-back run once
+    per grid step, not per item."""
     dp = _round_up(head_dim, 128)
     page = page_size * num_kv_heads * dp * _itemsize(kv_dtype) / 4096
     zero = 2 * page if token_major else 2 * page / 2  # head-major: the V half of the page
@@ -640,8 +638,8 @@ def _busy_step_units(
     token_scales,
 ) -> tuple[dict, float]:
     """(item_units of the compute path a decode item takes at these tiles, over `kv_tokens` keys:
-    its `narrow_rows`, in the compact form (pairs or quads) where that is compiled; the step_vregs of its grid
-    step's own code for the q block's block_q * group rows): one busy decode step as the ranking
+    its `narrow_rows`, in the compact form (pairs or quads) where that is compiled; the
+    step_vregs of the item's own code outside that path): one busy decode step as the ranking
     charges it. 8-bit caches are token-major."""
     rows = narrow_rows(group, block_q * group)
     token_major = token_major or _itemsize(kv_dtype) == 1
@@ -657,7 +655,6 @@ def _busy_step_units(
     )
     per_step = step_vregs(
         gen,
-        rows=block_q * group,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -966,7 +963,6 @@ def traffic(
     units["compute_tiles"] = sum(runs.values())
     units["step_vregs"] = sum(runs.values()) * step_vregs(
         gen,
-        rows=rows,
         page_size=page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
