@@ -546,6 +546,11 @@ MEASURED_FILES = (
     # same session (every row within 0.4%: v5e's decode rows are DMA-bound), and
     # v5e_paged_check_no_bounds_checks.json the new kernel against the f32 references
     "v5e_paged_no_bounds_checks.json",
+    # the paged kernel waiting for an item's full pages with one wait per array, every named row
+    # at unchanged tiles; v5e_paged_before_whole_slot_waits.json is the previous kernel timed in
+    # the same session (every row within 0.2%: DMA-bound), v5e_paged_check_whole_slot_waits.json
+    # the new kernel against the f32 references
+    "v5e_paged_whole_slot_waits.json",
 )
 
 

@@ -970,3 +970,38 @@ def test_paged_step_loops_are_the_ones_step_loop_trips_names():
             if loop_name == "item_fetch":
                 assert own / 2 < branches < own, row
     assert [n for n in named["block"]] == ["spread_matrix", "init", "write_back"]
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(600)
+def test_tpu7x_loads_int8_mxu_weights_as_bf16():
+    """What README's paged section says of TPU7x's 8-bit decode (benchmarks/mxu_weight_probe.py):
+    a quad's score matmul with int8 keys unpacks them (two `vunpack` per int8 vreg) and pushes
+    as many weight vregs as bf16 keys (no int8 MXU path), e4m3 keys half as many, unwidened; and
+    the stored probe results are what a compile gives now."""
+    import collections
+    import json
+
+    import mxu_weight_probe
+
+    stored = json.loads((ROOT / "benchmarks/results/mxu_weight_probe.json").read_text())["rows"]
+    ops = {}
+    for rhs in mxu_weight_probe.DTYPES:
+        (sched,) = L.dump_schedule(
+            "mxu_weight_probe:compile_matmul",
+            "tpu7x",
+            {"matmul": "scores", "rhs": rhs},
+            name="mxu_weight_probe",
+        )
+        ops[rhs] = collections.Counter(op.split(".")[0] for b in sched.bundles for op in b.ops)
+        (row,) = [
+            r
+            for r in stored
+            if (r["generation"], r["matmul"], r["rhs"]) == ("tpu7x", "scores", rhs)
+        ]
+        assert row["bundles"] == len(sched.bundles), rhs
+    keys = mxu_weight_probe.KEYS * mxu_weight_probe.HEAD_DIM
+    assert ops["int8"]["vunpack"] == 2 * keys // (32 * 128)
+    assert ops["int8"]["vmatpush3"] == ops["bfloat16"]["vmatpush3"] > 0
+    assert 2 * ops["float8_e4m3fn"]["vmatpush3"] == ops["bfloat16"]["vmatpush3"]
+    assert ops["bfloat16"]["vunpack"] == ops["float8_e4m3fn"]["vunpack"] == 0

@@ -638,14 +638,26 @@ def test_token_major_rejects_unpackable_heads():
     [
         dict(q_lens=[3, 1], kv_lens=[40, 17], window=None, stream=False, dtype="float32"),
         dict(q_lens=[2, 1, 4], kv_lens=[2, 33, 48], window=20, stream=True, dtype="bfloat16"),
+        # two pages an item: slots filled by full pages (waited for by one wait per array), a
+        # slot half filled, and one ending in a partly filled page
+        dict(
+            q_lens=[1, 1, 1],
+            kv_lens=[32, 48, 40],
+            window=None,
+            stream=False,
+            dtype="float32",
+            pages_per_block=2,
+        ),
     ],
-    ids=["mixed_f32", "window_streamed_bf16"],
+    ids=["mixed_f32", "window_streamed_bf16", "decode_two_page_slots_f32"],
 )
 def test_token_major_tpu_interpret(case):
     """TPU interpret mode (races, NaN-filled VMEM, raising out-of-bounds reads) over the whole call,
     cache write included, counted by tpu_interpreter.count_traffic: DMA count and bytes, BlockSpec
     bytes and scalar-prefetch bytes equal tiling.traffic / estimate_cost exactly; the cache bytes
-    moved are only the pages read and the new rows written."""
+    moved are only the pages read and the new rows written. DMAs run when waited for
+    (`dma_execution_mode="on_wait"`): a wait that took less than its copies signalled would leave
+    NaN in the slot."""
     slots, pages, tokens, hq, hkv = 3, 3, 8, 4, 2
     dtype = np.dtype(case["dtype"]) if case["dtype"] == "float32" else jax.numpy.bfloat16
     b = make_token_major(
@@ -660,7 +672,9 @@ def test_token_major_tpu_interpret(case):
         dtype=dtype,
     )
     cfg = tiling.PagedAttentionConfig(
-        pages_per_block=1, stream_page_table=case["stream"], block_q=4 if case["stream"] else None
+        pages_per_block=case.get("pages_per_block", 1),
+        stream_page_table=case["stream"],
+        block_q=4 if case["stream"] else None,
     )
     params = tpu_interpreter.counting_params(detect_races=True, dma_execution_mode="on_wait")
     with tpu_interpreter.race_checked(), tpu_interpreter.count_traffic(params) as t:
@@ -1087,7 +1101,8 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
 def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
     """The kernel's loops' iterations over a call, as it runs them: the page loops take an
     item's full pages (a last page copied short is not one of them: the item loop's branch takes
-    it), the stale-slot zeroing an item's slots past its valid keys, and around each q block's
+    it; an item whose full pages fill its slot is waited for without the wait loop), the
+    stale-slot zeroing an item's slots past its valid keys, and around each q block's
     items its grid step's init / write-back, one iteration per 16-row chunk."""
     # q block 0: a sequence of 300 keys (3 pages, the last of 44 rows) and one of 256 (2 full
     # pages); q block 1: an empty item, and the first 4 pages of a 640-key sequence
@@ -1103,7 +1118,7 @@ def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
         "item": {
             "item_fetch": (4, 1),  # every item is started; one has a partly filled last page
             "item_fetch/page_copies": 2 + 2 + 4,
-            "page_waits": 2 + 2 + 4,
+            "page_waits": 2 + 2 + 0,  # the last item fills its slot: one wait, no loop
             "stale_zeroing": (4 - 2) + (4 - 2) + 0,
         },
     }
@@ -1116,6 +1131,7 @@ def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
         items, [2 * 128 + 125, 256, 640], rows=64, out_dtype="float32", **kw
     )["item"]
     assert full["item_fetch"] == (4, 0) and full["item_fetch/page_copies"] == 3 + 2 + 4
+    assert full["page_waits"] == 3 + 2 + 0
     # a q block of 8 bf16 rows is written in one straight-line pass: no init / write-back loop;
     # the quad path's spreading matrix: 3 x 128 rows of bf16 tiles of 16, once per call
     small = tiling.step_loop_trips(

@@ -24,7 +24,8 @@ KV traffic. Each item's pages are copied by manual DMAs straight from the cache 
 per page per cache array, covering every KV head; a sequence's partly filled last page copies only
 its valid rows, rounded up to the sublane tile, in a few power-of-two row chunks),
 double-buffered: while item i is computed, the pages of item i+1 (of this q block or the next)
-are in flight into the other slot. A page is fetched once per q block that needs it. GQA: per KV
+are in flight into the other slot; an item whose full pages fill its slot waits for them with one
+wait per array, other items page by page. A page is fetched once per q block that needs it. GQA: per KV
 head, the q block's rows for that head's G query heads (laid out as [Hkv, T * G, D],
 token-major) are multiplied against the head's K and V in one pass. Rows past kv_len and page slots an item did not fill are masked (K)
 and zeroed (V), so stale or NaN cache contents never reach the output.
@@ -374,7 +375,9 @@ def _paged_kernel(
     def fetch(j, slot, start: bool):
         """Start (or wait for) the copies of item j's pages. Full pages are one DMA each; the
         sequence's last page, when partly filled, copies only its valid rows rounded up to the
-        sublane tile, as a few power-of-two row chunks (static DMA shapes)."""
+        sublane tile, as a few power-of-two row chunks (static DMA shapes). The copies are waited
+        for as they were started, except where the item's full pages fill its slot: one wait per
+        array then (below)."""
         npages = field("NUM_PAGES", j)
         seq = jnp.maximum(field("SEQ", j), 0)
         last_p = npages - 1
@@ -387,38 +390,60 @@ def _paged_kernel(
             for c in cs:
                 c.start() if start else c.wait()
 
-        page_at = page_lookup(j) if start else (lambda p: 0)
+        def pages():
+            page_at = page_lookup(j) if start else (lambda p: 0)
 
-        # Rolled loops over the pages (one DMA descriptor per array per iteration): unrolled, the
-        # per-page address arithmetic was a few hundred scalar bundles in every step's code. A
-        # page's per-token scales (one [Hkv, block_size] tile row, copied whole and lane-aligned:
-        # block_size is a multiple of 128) ride in the same iteration as its K / V.
-        def full_page(p, carry):
-            page = page_at(p)
-            go(copies(page, slot, p))
-            if token_scales:
-                go(scale_copies(page, slot, p))
-            return carry
+            # Rolled loops over the pages (one DMA descriptor per array per iteration): unrolled,
+            # the per-page address arithmetic was a few hundred scalar bundles in every step's
+            # code. A page's per-token scales (one [Hkv, block_size] tile row, copied whole and
+            # lane-aligned: block_size is a multiple of 128) ride in the same iteration as its
+            # K / V.
+            def full_page(p, carry):
+                page = page_at(p)
+                go(copies(page, slot, p))
+                if token_scales:
+                    go(scale_copies(page, slot, p))
+                return carry
 
-        lax.fori_loop(0, n_full, full_page, 0)
+            lax.fori_loop(0, n_full, full_page, 0)
 
-        if not chunk_sizes:
+            if not chunk_sizes:
+                return
+
+            # A partly filled last page: one branch around all of its chunk copies, which a full
+            # item skips (left as separate small conditions, the compiler predicated every
+            # chunk's DMA, with its address arithmetic, into straight-line code that each item
+            # ran).
+            @pl.when((npages > 0) & partial)
+            def _():
+                page = page_at(last_p)
+                if token_scales:
+                    go(scale_copies(page, slot, last_p))
+                for size in chunk_sizes:
+
+                    @pl.when(lax.rem(lax.div(rows_up, size), 2) == 1)
+                    def _():
+                        off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
+                        go(copies(page, slot, last_p, (off, size)))
+
+        if start:
+            pages()
             return
+        # An item whose slot its full pages fill waits once per array, for the whole slot: a DMA
+        # semaphore counts what its copies have delivered, and one wait of the slot's size takes
+        # what all of the item's page copies signalled (a wait per page cost ~11 bundles a page on
+        # TPU7x). A wait reads only its size from the copy it names: the slot, as both ends.
+        whole = n_full == pages_per_block
 
-        # A partly filled last page: one branch around all of its chunk copies, which a full
-        # item skips (left as separate small conditions, the compiler predicated every chunk's
-        # DMA, with its address arithmetic, into straight-line code that each item ran).
-        @pl.when((npages > 0) & partial)
+        @pl.when(whole)
         def _():
-            page = page_at(last_p)
-            if token_scales:
-                go(scale_copies(page, slot, last_p))
-            for size in chunk_sizes:
+            slots = tuple(bufs) + (tuple(scale_bufs) if token_scales else ())
+            go(
+                pltpu.make_async_copy(x.at[slot], x.at[slot], sem.at[slot, a])
+                for a, x in enumerate(slots)
+            )
 
-                @pl.when(lax.rem(lax.div(rows_up, size), 2) == 1)
-                def _():
-                    off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
-                    go(copies(page, slot, last_p, (off, size)))
+        pl.when(jnp.logical_not(whole))(pages)
 
     if stream_pt:
         # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
