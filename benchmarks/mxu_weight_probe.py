@@ -74,30 +74,34 @@ def compile_matmul(generation: str, *, matmul: str, rhs: str):
         return tpu_compile.lower_for(generation, fn, *avals).compile()
 
 
-def probe(generations=GENERATIONS) -> list[dict]:
+def probe_row(generation: str, matmul: str, rhs: str) -> dict:
+    """One compile's row: its bundles and its most frequent op families (with their counts)."""
     import llo_schedule
 
+    scheds = llo_schedule.dump_schedule(
+        "mxu_weight_probe:compile_matmul",
+        generation,
+        {"matmul": matmul, "rhs": rhs},
+        name="mxu_weight_probe",
+    )
+    sched = max(scheds, key=lambda s: len(s.bundles))
+    ops = collections.Counter(op.split(".")[0] for b in sched.bundles for op in b.ops)
+    return {
+        "generation": generation,
+        "matmul": matmul,
+        "rhs": rhs,
+        "bundles": len(sched.bundles),
+        "ops": dict(ops.most_common(8)),
+    }
+
+
+def probe(generations=GENERATIONS) -> list[dict]:
     rows = []
     for gen in generations:
         for matmul in ("scores", "values"):
             for rhs in DTYPES:
-                scheds = llo_schedule.dump_schedule(
-                    "mxu_weight_probe:compile_matmul",
-                    gen,
-                    {"matmul": matmul, "rhs": rhs},
-                    name="mxu_weight_probe",
-                )
-                sched = max(scheds, key=lambda s: len(s.bundles))
-                ops = collections.Counter(op.split(".")[0] for b in sched.bundles for op in b.ops)
-                row = {
-                    "generation": gen,
-                    "matmul": matmul,
-                    "rhs": rhs,
-                    "bundles": len(sched.bundles),
-                    "ops": dict(ops.most_common(8)),  # op families, the most frequent
-                }
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(probe_row(gen, matmul, rhs))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
