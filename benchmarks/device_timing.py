@@ -551,6 +551,12 @@ MEASURED_FILES = (
     # the same session (every row within 0.2%: DMA-bound), v5e_paged_check_whole_slot_waits.json
     # the new kernel against the f32 references
     "v5e_paged_whole_slot_waits.json",
+    # the paged kernel starting an item's pages in straight-line code where they fill its slot
+    # (token scales kept in HBM), every named row at unchanged tiles;
+    # v5e_paged_before_straight_line_issue.json is the previous kernel timed in the same session
+    # (every row within 0.4%: DMA-bound), v5e_paged_check_straight_line_issue.json the new
+    # kernel against the f32 references
+    "v5e_paged_straight_line_issue.json",
 )
 
 

@@ -582,9 +582,10 @@ class PagedAttention(Adapter):
         )
         return items, cfg, rows
 
-    def step_loops(self, shape, generation, tiles=None, items=None) -> dict:
+    def step_loops(self, shape, generation, tiles=None, items=None, call_first=True) -> dict:
         """The kernel's rolled loops outside its compute paths by name, program order, with
-        their iterations over the call (or over `items`, part of its work list): "item", an
+        their iterations over the call (or over `items`, part of its work list, which starts
+        with the call's first item where `call_first`): "item", an
         item's, and "block", its grid step's around the item loop (tiling.step_loop_trips;
         schedule_model.align_loop_trips puts them on the compiled loops)."""
         T = self.mod.tiling
@@ -607,6 +608,7 @@ class PagedAttention(Adapter):
             and T.quad_heads(
                 shape.cache_dtype, shape.kv_heads, group, T.narrow_rows(group, rows), True
             ),
+            call_first=call_first,
         )
 
     def schedule_trips(self, shape, generation, tiles=None):
@@ -650,10 +652,11 @@ class PagedAttention(Adapter):
             compact=compact,
         )
 
-    def _trips(self, shape, generation, tiles, items, runs=None) -> dict:
+    def _trips(self, shape, generation, tiles, items, runs=None, call_first=True) -> dict:
         """scheduled_from_work's trip counts of `items` (the call's work list, or one grid
-        step's items; `runs`: their `_path_runs` where the caller has them)."""
-        loops = self.step_loops(shape, generation, tiles, items)
+        step's items, the call's first among them where `call_first`; `runs`: their
+        `_path_runs` where the caller has them)."""
+        loops = self.step_loops(shape, generation, tiles, items, call_first)
         runs = runs if runs is not None else self._path_runs(shape, generation, tiles, items)
         return {
             **paged_trips(runs),
@@ -701,7 +704,7 @@ class PagedAttention(Adapter):
         for b in q_blocks:
             mine = [it for it in items if it[0] == b]
             runs = self._path_runs(shape, generation, tiles, mine)
-            trips = self._trips(shape, generation, tiles, mine, runs)
+            trips = self._trips(shape, generation, tiles, mine, runs, b == q_blocks[0])
             if "spread_matrix" in trips["block_loop_trips"] and b != q_blocks[0]:
                 trips["block_loop_trips"]["spread_matrix"] = 0
             steps["trips"].append(trips)

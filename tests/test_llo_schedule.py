@@ -965,8 +965,8 @@ def test_paged_step_loops_are_the_ones_step_loop_trips_names():
             ops = s.loop_segment(lp, own=True).ops
             assert lp.own_bundles == own and _LOOP_SIGNATURES[loop_name](ops), (loop_name, ops)
             assert parent == (0 if loop_name == "page_copies" else -1)
-            # the item loop's one branch: a partly filled last page's chunk copies (most of its
-            # code, which an item of full pages skips)
+            # the item loop's one branch: the rolled page copies with a partly filled last page's
+            # chunk copies (most of its code, which an item filling its slot skips)
             if loop_name == "item_fetch":
                 assert own / 2 < branches < own, row
     assert [n for n in named["block"]] == ["spread_matrix", "init", "write_back"]

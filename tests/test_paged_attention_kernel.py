@@ -1101,7 +1101,8 @@ def test_quantised_bad_scales_refused_before_any_kernel(bad, match, monkeypatch)
 def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
     """The kernel's loops' iterations over a call, as it runs them: the page loops take an
     item's full pages (a last page copied short is not one of them: the item loop's branch takes
-    it; an item whose full pages fill its slot is waited for without the wait loop), the
+    it; an item whose full pages fill its slot is started in straight-line code, unless it is
+    the call's first, and waited for without the wait loop), the
     stale-slot zeroing an item's slots past its valid keys, and around each q block's
     items its grid step's init / write-back, one iteration per 16-row chunk."""
     # q block 0: a sequence of 300 keys (3 pages, the last of 44 rows) and one of 256 (2 full
@@ -1116,8 +1117,10 @@ def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
             "write_back": 2 * 4,
         },
         "item": {
-            "item_fetch": (4, 1),  # every item is started; one has a partly filled last page
-            "item_fetch/page_copies": 2 + 2 + 4,
+            # every item is started; two take the rolled page copies (a partly filled last
+            # page, two pages of four), the last fills its slot (started straight-line)
+            "item_fetch": (4, 2),
+            "item_fetch/page_copies": 2 + 2,
             "page_waits": 2 + 2 + 0,  # the last item fills its slot: one wait, no loop
             "stale_zeroing": (4 - 2) + (4 - 2) + 0,
         },
@@ -1126,12 +1129,16 @@ def test_step_loop_trips_count_pages_partial_items_and_q_blocks():
     # page filled to its last tile (125 rows: 128) is a full page
     assert tiling.step_loop_trips(
         items, [2 * 128 + 62, 256, 640], rows=64, out_dtype="float32", **kw
-    )["item"]["item_fetch"] == (4, 1)
+    )["item"]["item_fetch"] == (4, 2)
     full = tiling.step_loop_trips(
         items, [2 * 128 + 125, 256, 640], rows=64, out_dtype="float32", **kw
     )["item"]
-    assert full["item_fetch"] == (4, 0) and full["item_fetch/page_copies"] == 3 + 2 + 4
+    assert full["item_fetch"] == (4, 2) and full["item_fetch/page_copies"] == 3 + 2
     assert full["page_waits"] == 3 + 2 + 0
+    # the call's first item takes the rolled copies even where it fills its slot
+    first = tiling.step_loop_trips(items[3:], kv_lens, rows=64, out_dtype="float32", **kw)
+    assert first["item"]["item_fetch"] == (1, 1) and first["item"]["item_fetch/page_copies"] == 4
+    assert first["item"]["page_waits"] == 0
     # a q block of 8 bf16 rows is written in one straight-line pass: no init / write-back loop;
     # the quad path's spreading matrix: 3 x 128 rows of bf16 tiles of 16, once per call
     small = tiling.step_loop_trips(

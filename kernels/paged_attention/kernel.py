@@ -372,19 +372,25 @@ def _paged_kernel(
             for a in range(2)
         ]
 
-    def fetch(j, slot, start: bool):
-        """Start (or wait for) the copies of item j's pages. Full pages are one DMA each; the
-        sequence's last page, when partly filled, copies only its valid rows rounded up to the
-        sublane tile, as a few power-of-two row chunks (static DMA shapes). The copies are waited
-        for as they were started, except where the item's full pages fill its slot: one wait per
-        array then (below)."""
+    def page_plan(j):
+        """Item j's pages: (count, last page's index, rows its copies take of the last page
+        rounded up to the copy tile, whether that page is copied short, full pages)."""
         npages = field("NUM_PAGES", j)
         seq = jnp.maximum(field("SEQ", j), 0)
         last_p = npages - 1
         last_rows = kv_lens_ref[seq] - (field("FIRST_PAGE", j) + last_p) * page_size
         rows_up = lax.div(last_rows + copy_tile - 1, copy_tile) * copy_tile
         partial = (rows_up < page_size) if chunk_sizes else jnp.bool_(False)
-        n_full = npages - partial.astype(jnp.int32)
+        return npages, last_p, rows_up, partial, npages - partial.astype(jnp.int32)
+
+    def fetch(j, slot, start: bool, rolled=False):
+        """Start (or wait for) the copies of item j's pages. Full pages are one DMA each; the
+        sequence's last page, when partly filled, copies only its valid rows rounded up to the
+        sublane tile, as a few power-of-two row chunks (static DMA shapes). The copies are waited
+        for as they were started, except where the item's full pages fill its slot: one wait per
+        array then (below). Starting, this is the rolled page loop, for an item that does not
+        fill its slot or where `rolled` (any other item `start_whole_slot` starts)."""
+        npages, last_p, rows_up, partial, n_full = page_plan(j)
 
         def go(cs):
             for c in cs:
@@ -393,11 +399,11 @@ def _paged_kernel(
         def pages():
             page_at = page_lookup(j) if start else (lambda p: 0)
 
-            # Rolled loops over the pages (one DMA descriptor per array per iteration): unrolled,
-            # the per-page address arithmetic was a few hundred scalar bundles in every step's
-            # code. A page's per-token scales (one [Hkv, block_size] tile row, copied whole and
-            # lane-aligned: block_size is a multiple of 128) ride in the same iteration as its
-            # K / V.
+            # Rolled loops over the pages (one DMA descriptor per array per iteration): unrolled
+            # for every item (predicated per page), the per-page address arithmetic was a few
+            # hundred scalar bundles in every step's code. A page's per-token scales (one
+            # [Hkv, block_size] tile row, copied whole and lane-aligned: block_size is a multiple
+            # of 128) ride in the same iteration as its K / V.
             def full_page(p, carry):
                 page = page_at(p)
                 go(copies(page, slot, p))
@@ -426,14 +432,16 @@ def _paged_kernel(
                         off = pl.multiple_of(rows_up - lax.rem(rows_up, 2 * size), copy_tile)
                         go(copies(page, slot, last_p, (off, size)))
 
-        if start:
-            pages()
-            return
-        # An item whose slot its full pages fill waits once per array, for the whole slot: a DMA
-        # semaphore counts what its copies have delivered, and one wait of the slot's size takes
-        # what all of the item's page copies signalled (a wait per page cost ~11 bundles a page on
-        # TPU7x). A wait reads only its size from the copy it names: the slot, as both ends.
+        # An item whose full pages fill its slot (every item of a long decode but a sequence's
+        # last) starts them in straight-line code (`start_whole_slot`) and waits for them once per
+        # array, for the whole slot: a DMA semaphore counts what its copies have delivered, and one
+        # wait of the slot's size takes what all of the item's page copies signalled (a wait per
+        # page cost ~11 bundles a page on TPU7x). A wait reads only its size from the copy it
+        # names: the slot, as both ends.
         whole = n_full == pages_per_block
+        if start:
+            pl.when(jnp.logical_not(whole) | rolled)(pages)
+            return
 
         @pl.when(whole)
         def _():
@@ -444,6 +452,21 @@ def _paged_kernel(
             )
 
         pl.when(jnp.logical_not(whole))(pages)
+
+    def start_whole_slot(j, slot):
+        """Start the copies of item j, whose full pages fill its slot, in straight-line code: its
+        page count is static, so the scheduler overlaps the page lookups and address arithmetic of
+        successive pages with the DMA issues, where the rolled loop runs each page's chain and its
+        back branch in turn (TPU7x, 8 pages of 8-bit K / V and their per-token scales: 132
+        bundles against 8 x 24 in the loop)."""
+        page_at = page_lookup(j)
+        for p in range(pages_per_block):
+            page = page_at(p)
+            for c in copies(page, slot, p):
+                c.start()
+            if token_scales:
+                for c in scale_copies(page, slot, p):
+                    c.start()
 
     if stream_pt:
         # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
@@ -468,7 +491,10 @@ def _paged_kernel(
             def _():
                 ids_copy(j).wait()
 
-        fetch(j, lax.rem(j, 2), start=True)
+        # The call's first item (started by item 0 beside item 1) takes the rolled loop; any
+        # later item is the one after the item starting it, which starts it in straight-line code
+        # if it fills its slot (run_item).
+        fetch(j, lax.rem(j, 2), start=True, rolled=j == 0)
         return carry
 
     if quad_heads and token_scales:
@@ -502,6 +528,12 @@ def _paged_kernel(
         """Work item i of this q block: start the next item's pages, wait for its own, and run
         the compute path its rows take."""
         lax.fori_loop(jnp.where(i == 0, 0, i + 1), jnp.minimum(i + 2, nitems), start_item, 0)
+        nxt = jnp.minimum(i + 1, nitems - 1)
+
+        @pl.when((i + 1 < nitems) & (page_plan(nxt)[4] == pages_per_block))
+        def _():
+            start_whole_slot(nxt, lax.rem(nxt, 2))
+
         if stream_pt:
             # Slot (i + 2) % 2 held item i's row, which no copy reads any more.
             @pl.when(i + 2 < nitems)
@@ -1051,6 +1083,15 @@ def token_major_supported(kv_dtype, num_kv_heads: int, page_size: int | None = N
     )
 
 
+def _pinned_to_hbm(x):
+    """x constrained to HBM where it is traced (a constraint binds inside a jit only; an eager
+    call's operands are already device buffers in HBM). Compiled calls only: the interpreters
+    refuse an operand tagged with a memory space."""
+    if isinstance(x, jax.core.Tracer):
+        return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+    return x
+
+
 def _tpu_interpret_mode(interpret) -> bool:
     """Whether this pallas_call will run in TPU interpret mode (passed, or forced by
     pltpu.force_tpu_interpret_mode, as the DMA counter does)."""
@@ -1380,7 +1421,10 @@ def _attention(
     )
     extra_in, extra_specs, scale_scratch = [], [], []
     if token_scales is not None:
-        extra_in += token_scales
+        # Kept in HBM: under jit XLA may otherwise prefetch a scale array that fits VMEM into it
+        # before the call (TPU7x did, 16 MiB of K scales at Llama-3-8B 64 x 8192), and Mosaic then
+        # copies each page's scales with vector loads and stores in a loop of its own.
+        extra_in += [a if interpret else _pinned_to_hbm(a) for a in token_scales]
         extra_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
         scale_scratch = [pltpu.VMEM((2, hkv, ppb * page_size), jnp.float32) for _ in range(2)]
         if quad_heads:

@@ -142,10 +142,12 @@ def step_loop_trips(
     page_size: int,
     pages_per_block: int,
     spread_matrix: bool = False,
+    call_first: bool = True,
 ) -> dict[str, dict[str, int | tuple[int, int]]]:
     """The kernel's rolled loops outside its compute paths, in program order (kernel.py
     `_paged_kernel`), each with its iterations over the whole call for the work list `items`
-    ((q_block, seq, first_page, num_pages) tuples, `host_work_list`). A compiled schedule reads
+    ((q_block, seq, first_page, num_pages) tuples, `host_work_list`, or a run of it, whose first
+    item is the call's where `call_first`). A compiled schedule reads
     each loop's body once; these are the counts the benchmarks' scheduled time charges them by
     (`schedule_model.scheduled_from_work(loop_trips=..., block_loop_trips=...)`).
 
@@ -154,26 +156,32 @@ def step_loop_trips(
     - `init` / `write_back`: the q block's statistics and output, once per q block, in chunks of
       `output_row_chunk` rows (no loop when one chunk covers the block).
     "item": the loops of one item:
-    - `item_fetch`: the loop over the items an item starts (each item once; its branch around a
-      partly filled last page's chunk copies runs once per such item: (items, such items)),
-      holding `item_fetch/page_copies` (one iteration per full page: its K / V DMAs, and its
-      scales' with per-token scales);
+    - `item_fetch`: the loop over the items an item starts (each item once; its branch around the
+      rolled page copies runs for an item that does not fill its slot with full pages, and for
+      the call's first item: (items, such items); the others' pages are started in straight-line
+      code outside the loop, charged with the item's own code), holding
+      `item_fetch/page_copies` (one iteration per full page of the items it copies: its K / V
+      DMAs, and its scales' with per-token scales);
     - `page_waits`: the waits for a busy item's copies, one iteration per full page, where the
       item does not fill its slot with full pages (one wait per array covers a slot that is);
     - `stale_zeroing`: a busy item's page slots past its valid keys."""
     tile = copy_tile(kv_dtype, num_kv_heads, token_major)
     n_chunks = rows // output_row_chunk(rows, out_dtype)
-    full = stale = cut = waits = 0
-    for _, seq, first, npages in items:
+    full = stale = rolled = waits = 0
+    for index, (_, seq, first, npages) in enumerate(items):
         if not npages:
             continue
         kv_len = int(kv_lens[seq])
         # a last page copied short (its valid rows in chunks) is not one of the page loop's
         _, tokens = page_copy_plan(kv_len, first, npages, page_size, kv_dtype, tile)
         partial = tokens < npages * page_size
-        full += npages - int(partial)
-        cut += int(partial)
-        if partial or npages < pages_per_block:  # a whole slot of full pages: one wait per array
+        # A whole slot of full pages: started in straight-line code (but the call's first item)
+        # and waited for with one wait per array.
+        whole = not partial and npages == pages_per_block
+        if not whole or (call_first and index == 0):
+            rolled += 1
+            full += npages - int(partial)
+        if not whole:
             waits += npages - int(partial)
         n_valid = min(npages * page_size, kv_len - first * page_size)
         stale += pages_per_block - n_valid // page_size
@@ -185,7 +193,7 @@ def step_loop_trips(
         block["init"] = q_blocks * n_chunks
         block["write_back"] = q_blocks * n_chunks
     item = {
-        "item_fetch": (len(items), cut),
+        "item_fetch": (len(items), rolled),
         "item_fetch/page_copies": full,
         "page_waits": waits,
         "stale_zeroing": stale,
@@ -423,17 +431,21 @@ def choose_config(
 #   8-bit points (per-token scales at 4 and 8 pages, per-head scales at 8 pages), v5e's score
 #   figure taken from v6e's (its 2 int8 points cannot separate it from the widening);
 # - an item's own code outside the compute paths (the page DMA issue and wait loops with
-#   their partial-page chunk branches, the stale-value zeroing of one page slot; the q block's
-#   statistics init and write-back run once per grid step, around the item loop, and are not an
-#   item's) goes through the shared step terms (step_vregs): the vregs it moves plus
-#   PAGED_STEP_STREAM_VREGS per DMA stream, a cache array (one head-major, K and V
-#   token-major) or a per-token scale array (PAGED_SCALE_STREAM_SHARE = 1: each is one DMA per
-#   page like K and V), per generation the value with the least worst busy-step error over its
-#   bf16 calibration points (v5e: the next step up, 42.5, which keeps its held-out 4-page
-#   head-major point within the tolerance, 5.8% against 6.1% at 40); a kernel whose decode
-#   items take the quad path compiles a smaller item (its other paths are smaller): the step
-#   model less QUAD_STEP_VREGS, per generation the value with the least worst busy-step error
-#   over its 8-bit calibration points. Refitted when the kernel dropped Mosaic's DMA bounds
+#   their partial-page chunk branches, the straight-line page issue of an item filling its slot,
+#   the stale-value zeroing of one page slot; the q block's statistics init and write-back run
+#   once per grid step, around the item loop, and are not an item's) goes through the shared
+#   step terms (step_vregs): the vregs it moves plus, per DMA stream (a cache array: one
+#   head-major, K and V token-major; or a per-token scale array, PAGED_SCALE_STREAM_SHARE = 1:
+#   each is one DMA per page like K and V), PAGED_STEP_STREAM_VREGS and
+#   PAGED_PAGE_ISSUE_VREGS per page of the KV block (the straight-line issue, per layout: a
+#   head-major page's one DMA compiles longer on v5e / v6e); a kernel whose decode items take
+#   the quad path compiles a smaller item (its other paths are smaller): the step model less
+#   QUAD_STEP_VREGS. The three per generation jointly, the least worst busy-step error over its
+#   calibration points (a grid search on the re-dumped points, step 5 / 0.5 / 5 / 1 vregs), since
+#   an item filling its slot started its pages in straight-line code: worst 3.4% / 3.3% / 3.1%
+#   over the calibration points on v5e / v6e / TPU7x, over every point 4.9% / 5.2% / 3.1% (the
+#   held-out ones). Before (one constant per stream, no page term): refitted when the kernel
+#   dropped Mosaic's DMA bounds
 #   checks (kernel.py's pallas_call: the item's code outside its paths 587 -> 378 bundles on
 #   TPU7x's 8-bit point, 590 -> 346 on v6e's head-major one), and again when an item of full
 #   pages took one wait per array (its code outside the paths 2-10 bundles longer, both wait
@@ -459,11 +471,15 @@ QUAD_WIDEN_VALU = {
     "int8": {"v5e": 1.05, "v6e": 0.5, "tpu7x": 0.5},
     "float8_e4m3fn": {"v5e": 0.3, "v6e": 0.27, "tpu7x": 0.0},
 }
-QUAD_STEP_VREGS = {"v5e": 50.0, "v6e": 92.5, "tpu7x": 42.5}
+QUAD_STEP_VREGS = {"v5e": 10.0, "v6e": 5.0, "tpu7x": 40.0}
 QUAD_HEAD_VALU = {"v5e": 84.0, "v6e": 58.0, "tpu7x": 25.0}
 QUAD_TOKEN_SCALE_VALU = {"v5e": 7.4, "v6e": 8.1, "tpu7x": 3.4}
 PAGED_SCALE_STREAM_SHARE = 1.0
-PAGED_STEP_STREAM_VREGS = {"v5e": 42.5, "v6e": 80.0, "tpu7x": 40.0}
+PAGED_STEP_STREAM_VREGS = {"v5e": 60.0, "v6e": 90.0, "tpu7x": 60.0}
+PAGED_PAGE_ISSUE_VREGS = {
+    "head_major": {"v5e": 14.0, "v6e": 15.0, "tpu7x": 2.0},
+    "token_major": {"v5e": 0.0, "v6e": 1.5, "tpu7x": 4.5},
+}
 # The model's error on a busy decode step (max |error| over "paged_points": 5.8%, v5e's held-out
 # 4-page head-major point; 5.6% over the calibration points): candidates within 5% of the
 # fastest are ties, ordered by the preference list.
@@ -606,6 +622,7 @@ def step_vregs(
     gen: TpuGeneration,
     *,
     page_size: int,
+    pages_per_block: int,
     num_kv_heads: int,
     head_dim: int,
     kv_dtype,
@@ -627,7 +644,10 @@ def step_vregs(
         streams += 2 * PAGED_SCALE_STREAM_SHARE
     name = gen.name if gen.name in PAGED_STEP_STREAM_VREGS else "v5e"
     fewer = QUAD_STEP_VREGS[name] if quads else 0.0
-    return zero + streams * PAGED_STEP_STREAM_VREGS[name] - fewer
+    layout = "token_major" if token_major else "head_major"
+    per_page = PAGED_PAGE_ISSUE_VREGS[layout][name]
+    per_stream = PAGED_STEP_STREAM_VREGS[name] + pages_per_block * per_page
+    return zero + streams * per_stream - fewer
 
 
 def _busy_step_units(
@@ -662,6 +682,7 @@ def _busy_step_units(
     per_step = step_vregs(
         gen,
         page_size=page_size,
+        pages_per_block=kv_tokens // page_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         quads=quad_heads(kv_dtype, num_kv_heads, group, rows, token_scales),
@@ -970,6 +991,7 @@ def traffic(
     units["step_vregs"] = sum(runs.values()) * step_vregs(
         gen,
         page_size=page_size,
+        pages_per_block=ppb,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         quads=quad_heads(kv_dtype, num_kv_heads, group, nr, token_scales),
