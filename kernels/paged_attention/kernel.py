@@ -24,8 +24,9 @@ KV traffic. Each item's pages are copied by manual DMAs straight from the cache 
 per page per cache array, covering every KV head; a sequence's partly filled last page copies only
 its valid rows, rounded up to the sublane tile, in a few power-of-two row chunks),
 double-buffered: while item i is computed, the pages of item i+1 (of this q block or the next)
-are in flight into the other slot; an item whose full pages fill its slot waits for them with one
-wait per array, other items page by page. A page is fetched once per q block that needs it. GQA: per KV
+are in flight into the other slot; an item whose full pages fill its slot has them started in
+straight-line code and waits for them with one wait per array, other items start and wait page by
+page in rolled loops. A page is fetched once per q block that needs it. GQA: per KV
 head, the q block's rows for that head's G query heads (laid out as [Hkv, T * G, D],
 token-major) are multiplied against the head's K and V in one pass. Rows past kv_len and page slots an item did not fill are masked (K)
 and zeroed (V), so stale or NaN cache contents never reach the output.
