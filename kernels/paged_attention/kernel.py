@@ -363,6 +363,11 @@ def _paged_kernel(
             for a in range(n_arr)
         ]
 
+    def page_copies(page, slot, p):
+        """Every DMA of one full page: its K / V (`copies`) and, with per-token scales, its
+        scales'."""
+        return copies(page, slot, p) + (scale_copies(page, slot, p) if token_scales else [])
+
     def scale_copies(page, slot, p):
         return [
             pltpu.make_async_copy(
@@ -406,10 +411,7 @@ def _paged_kernel(
             # [Hkv, block_size] tile row, copied whole and lane-aligned: block_size is a multiple
             # of 128) ride in the same iteration as its K / V.
             def full_page(p, carry):
-                page = page_at(p)
-                go(copies(page, slot, p))
-                if token_scales:
-                    go(scale_copies(page, slot, p))
+                go(page_copies(page_at(p), slot, p))
                 return carry
 
             lax.fori_loop(0, n_full, full_page, 0)
@@ -462,12 +464,8 @@ def _paged_kernel(
         bundles against 8 x 24 in the loop)."""
         page_at = page_lookup(j)
         for p in range(pages_per_block):
-            page = page_at(p)
-            for c in copies(page, slot, p):
+            for c in page_copies(page_at(p), slot, p):
                 c.start()
-            if token_scales:
-                for c in scale_copies(page, slot, p):
-                    c.start()
 
     if stream_pt:
         # Page-table rows run two items ahead of compute (one ahead of the KV prefetch).
@@ -529,6 +527,9 @@ def _paged_kernel(
         """Work item i of this q block: start the next item's pages, wait for its own, and run
         the compute path its rows take."""
         lax.fori_loop(jnp.where(i == 0, 0, i + 1), jnp.minimum(i + 2, nitems), start_item, 0)
+        # Outside the loop above (which reads the next item's page counts too): a second
+        # branch in its body would be charged with the rolled copies' runs
+        # (tiling.step_loop_trips), and this one is the item's own code.
         nxt = jnp.minimum(i + 1, nitems - 1)
 
         @pl.when((i + 1 < nitems) & (page_plan(nxt)[4] == pages_per_block))
