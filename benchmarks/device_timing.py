@@ -406,6 +406,27 @@ def _ragged_direct_cases(mod, gen):
             jit(K.gmm_gated, activation=act, layout=layout)(bf(x), bf(w), gs),
             ref.gmm_gated_reference(f32(x), f32(w), gs, activation=act, layout=layout),
         )
+    # Three K blocks of 128: each item's running sums overwritten by its first K block and
+    # written through to the output block by every K block (tiling.gmm_windows_write_output).
+    kb3 = mod.tiling.GmmTiling(256, 128, 128)
+    yield (
+        "gmm_k_blocks",
+        jit(K.gmm, tiling=kb3)(bf(x), bf(w), gs),
+        ref.gmm_reference(f32(x), f32(w), gs),
+    )
+    yield (
+        "gmm_int8_k_blocks",
+        jit(K.gmm, tiling=kb3)(bf(x), jnp.asarray(q), gs, jnp.asarray(scales)),
+        ref.gmm_reference(f32(x), q, gs, scales),
+    )
+    kb3_gated = mod.tiling.GmmTiling(256, 128, n // 2)  # tn divides I = 320: its two halves
+    yield (
+        "gmm_gated_silu_concatenated_k_blocks",
+        jit(K.gmm_gated, activation="silu", layout="concatenated", tiling=kb3_gated)(
+            bf(x), bf(w), gs
+        ),
+        ref.gmm_gated_reference(f32(x), f32(w), gs, activation="silu", layout="concatenated"),
+    )
 
 
 def _flash_backward_cases(mod, gen):
@@ -488,6 +509,8 @@ def check_kernels(kinds, out: Path, log) -> dict:
                         shape="(direct cases)", ok=False, error=f"{type(e).__name__}: {e}"[:600]
                     )
                     doc["cases"].append(rec)
+                    _write(out, doc)
+                    log(json.dumps(rec))
                     break
                 got = np.asarray(got).astype(np.float32)
                 err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
@@ -557,6 +580,13 @@ MEASURED_FILES = (
     # (every row within 0.4%: DMA-bound), v5e_paged_check_straight_line_issue.json the new
     # kernel against the f32 references
     "v5e_paged_straight_line_issue.json",
+    # the gmm's windows write its output block at every K block too (the running sums in an f32
+    # accumulator each item's first K block overwrites; the concatenated fused gate likewise),
+    # at unchanged tiles: Mixtral-8x7B down 16384 (seven K blocks) and two one-K-block controls;
+    # v5e_ragged_ours_before_windows_write_output.json is the previous kernel timed in the same
+    # session, v5e_train_gated_(before_)windows_write_output.json the fused gate and dlhs passes,
+    # v5e_ragged_check_windows_write_output.json the new kernels against the f32 references
+    "v5e_ragged_ours_windows_write_output.json",
 )
 
 

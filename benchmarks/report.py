@@ -312,6 +312,10 @@ TRAINING_FILES = (
     "v5e_train_dlhs_gated_retimed.json",
     # ours' dlhs after the gmm's windows wrote its output block (one K block: no accumulator)
     "v5e_train_dlhs_write_through.json",
+    # ours' fused gate and dlhs before / after the windows wrote the output block at every K
+    # block and the concatenated gate was applied in the windows (timed in one session)
+    "v5e_train_gated_before_windows_write_output.json",
+    "v5e_train_gated_windows_write_output.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

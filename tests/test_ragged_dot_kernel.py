@@ -190,6 +190,21 @@ def test_long_groups_run_in_several_row_chunks():
     assert wl["NFULL"].max() >= 1 and (wl["BUCKET"] >= 0).any()
     out = K.gmm(lhs, rhs, gsa, tiling=T.GmmTiling(1024, 128, 128), interpret=True)
     np.testing.assert_allclose(np.asarray(out), R.gmm_reference(lhs, rhs, gs), **TOL[jnp.float32])
+    # Three K blocks, and a group of rows 8-1023 of the first tile: one full chunk (rows 8-519),
+    # then a 512-row tail window that slides back to row 512 over rows the full chunk has
+    # already summed for this K block, whose running sums it must not add to twice (read again
+    # by the next K block).
+    gs2 = [8, 1100, 0, 80]  # sum 1188 < 1200
+    c2 = dict(dtype=jnp.float32, m=1200, k=384, n=128, group_sizes=gs2, seed=14)
+    lhs2, rhs2, gsa2 = _arrays(c2)
+    wl = T._fields(
+        T.work_list(gsa2, m=1200, tm=1024, buckets=T.bucket_sizes(1024, 8), unit=8, kind="gmm")
+    )
+    slides = (wl["NFULL"] > 0) & (wl["TSTART"] < wl["START"] + 512 * wl["NFULL"])
+    assert slides.any()
+    out = K.gmm(lhs2, rhs2, gsa2, tiling=T.GmmTiling(1024, 128, 128), interpret=True)
+    np.testing.assert_allclose(_np(out), R.gmm_reference(lhs2, rhs2, gs2), **TOL[jnp.float32])
+    assert np.all(_np(out)[sum(gs2) :] == 0)
     dout = jnp.asarray(np.random.default_rng(13).standard_normal((1200, 128)), jnp.float32)
     for out_dtype in (jnp.float32, jnp.bfloat16):  # in place / through the f32 scratch
         g = K.tgmm(
@@ -282,9 +297,12 @@ def _tpu_interpret(fn):
 @pytest.mark.parametrize(
     "transpose_rhs,dtype,tk",
     [
-        # K = 200 in 128-wide K tiles: a K tail, and the f32 accumulator across two K blocks
+        # K = 200 in 128-wide K tiles: a K tail, and the f32 accumulator across two K blocks,
+        # overwritten by each item's first K block; every K block's windows write the output
+        # block (tiling.gmm_windows_write_output), in f32 and in bf16
         (False, jnp.float32, 128),
         (True, jnp.float32, 128),
+        (False, jnp.bfloat16, 128),
         # one K block: no accumulator, the windows write the output block
         # (tiling.gmm_sums_in_output), in f32 and in bf16 (packed 16-row output tiles)
         (True, jnp.float32, 200),
@@ -964,14 +982,20 @@ def test_tgmm_step_cost_counts_only_empty_groups():
 
 
 def test_gmm_sums_in_output_rule():
-    """One K block, not gated, and an lhs row unit that is a whole number of the output's packed
-    rows: the windows write the output block (no accumulator)."""
+    """The windows write the output block unless the gate is interleaved or an lhs row unit is
+    not a whole number of the output's packed rows; with one K block as well, no accumulator."""
     assert T.gmm_sums_in_output(256, 256, "bfloat16", "bfloat16")
     assert T.gmm_sums_in_output(256, 256, "bfloat16", "float32")
-    assert not T.gmm_sums_in_output(256, 128, "bfloat16", "bfloat16")  # two K blocks
+    assert T.gmm_sums_in_output(256, 256, "bfloat16", "bfloat16", "concatenated")
+    assert not T.gmm_sums_in_output(256, 128, "bfloat16", "bfloat16")  # two K blocks ...
+    assert T.gmm_windows_write_output("bfloat16", "bfloat16")  # ... written through
+    assert T.gmm_windows_write_output("bfloat16", "bfloat16", "concatenated")
     # an f32 lhs (8-row unit) cannot write a bf16 output's 16-row packed tiles at its offsets
+    assert not T.gmm_windows_write_output("float32", "bfloat16")
     assert not T.gmm_sums_in_output(256, 256, "float32", "bfloat16")
-    assert not T.gmm_sums_in_output(256, 256, "bfloat16", "bfloat16", "concatenated")
+    # the interleaved gate pairs lanes of a whole tile and compacts them with a matmul
+    assert not T.gmm_windows_write_output("bfloat16", "bfloat16", "interleaved")
+    assert not T.gmm_sums_in_output(256, 256, "bfloat16", "bfloat16", "interleaved")
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])

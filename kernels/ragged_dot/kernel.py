@@ -18,31 +18,33 @@ The MXU work of an item is straight-line code: each row window is ONE block-size
 the pushes, pops and accumulation of the whole block; a rolled loop over small chunks would
 serialise them). An item's rows run as full windows of `chunk` rows (a loop whose body is one such
 block matmul) plus one tail window from a small set of bucket sizes (a 20-row group tail runs a
-32-row matmul, not a whole tile). The f32 accumulator (tm, tn) stays in VMEM across the K blocks
-and is read and written once per window and K block; a window's rows are merged into it with a
-row select, so rows of other groups in the same tile stay bit-exactly untouched (a NaN weight of
-one expert never reaches another expert's rows). Only the first row unit of a full window can
-hold another group's rows, so full windows select there alone. The first item of a tile zeroes
-the accumulator; the last writes the tile out. With one K block (tiling.gmm_sums_in_output; not
-gated: the gated gmm keeps its accumulators, which its full windows then fill without reading
-them back) a row's sum is one window's product, so there is no accumulator at all: each window
-writes its rows' finished products, cast, straight into the output block with the same selects,
-and no grid step zeroes or copies a tile (on a v5e chip 8% off Qwen3-30B-A3B down at 16384
-tokens). Rows past sum(group_sizes) belong to a virtual group whose items do no MXU work and
-leave zeros (written by those items themselves when there is no accumulator). Items without MXU
-work (virtual rows, padding) point their lhs/rhs index maps at the block the previous step left
-resident, so they issue no DMA. int8 / fp8 weights are converted to the lhs dtype once per grid
-step into a VMEM copy (and a K tail, K % tk != 0, is zeroed there and in the lhs window: garbage
-beyond K never meets the MXU); the per-output-channel scale (and a bias) of the item's group is
-applied to its rows' sums after the last K block.
+32-row matmul, not a whole tile). Each window writes its rows' finished values (scaled, biased,
+and for the gated gmm act(gate) * up), cast, straight into the output block with a row select, so
+rows of other groups in the same tile stay bit-exactly untouched (a NaN weight of one expert never
+reaches another expert's rows); only the first row unit of a full window can hold another group's
+rows, so full windows select there alone. With one K block a row's sum is one window's product
+and there is no accumulator (tiling.gmm_sums_in_output). With more, the running sums live in an
+f32 accumulator (tm, tn) in VMEM, read and written once per window and K block, which each item's
+first K block overwrites; every K block's windows write the output rows, and the last K block's
+are what is written back. So no grid step zeroes an accumulator or copies it out per tile (on a
+v5e chip 8% off Qwen3-30B-A3B down at 16384 tokens, one K block). Two cases keep an accumulator
+that a tile's first item zeroes and its last writes out (tiling.gmm_windows_write_output): the
+interleaved gate (its epilogue pairs lanes across the whole tile) and an output with more rows
+per packed tile than the lhs. Rows past sum(group_sizes) belong to a virtual group whose items do
+no MXU work and write zeros there. Items without MXU work (virtual rows, padding) point their
+lhs/rhs index maps at the block the previous step left resident, so they issue no DMA. int8 / fp8
+weights are converted to the lhs dtype once per grid step into a VMEM copy (and a K tail,
+K % tk != 0, is zeroed there and in the lhs window: garbage beyond K never meets the MXU); the
+per-output-channel scale (and a bias) of the item's group is applied to its rows' sums as they
+go to the output block.
 
 Gated gmm (`activation` given): the gate_up projection of a gated MLP. The output tile (tm, tn)
 of act(gate) * up needs gate and up columns: with the concatenated layout ([gate | up] along N)
-two rhs BlockSpecs read the gate block nb and the up block nb + I/tn of the same array into two
-accumulators; with the interleaved layout (gate0, up0, gate1, ...) one rhs block of 2*tn columns
-holds both, and the epilogue pairs lane 2j with lane 2j + 1 by a lane rotation and compacts the
-even lanes with an exact 0/1 selection matmul (Mosaic has no lane-strided load). Either way the
-kernel writes [M, I], not [M, 2I].
+two rhs BlockSpecs read the gate block nb and the up block nb + I/tn of the same array, and each
+window gates the two products of its columns; with the interleaved layout (gate0, up0, gate1,
+...) one rhs block of 2*tn columns holds both, and the epilogue pairs lane 2j with lane 2j + 1 by
+a lane rotation and compacts the even lanes with an exact 0/1 selection matmul (Mosaic has no
+lane-strided load). Either way the kernel writes [M, I], not [M, 2I].
 
 tgmm grid = (K tiles, N tiles, L items): for each (k, n) output block the items stream the row
 tiles of each group; lhs and dout rows outside the item's group are zeroed (both operands) before
@@ -248,19 +250,23 @@ def _gmm_kernel(
     compute_dtype,
     prefetch_runs,
     col_offsets,
+    wcols,
+    writes_output,
     sums_in_output,
 ):
     """n_rhs weight refs (1, or 2 for concatenated gate/up), each with its own scale / bias ref,
     accumulator and (quantised or K tail) prepared-weight copy. With `prefetch_runs` the weight
     refs are in HBM and the kernel copies their blocks itself (`_run_weights`). With
-    `sums_in_output` (tiling.gmm_sums_in_output: one K block, not gated) there is no accumulator:
-    each window writes its rows' finished products, cast, into the output block."""
+    `writes_output` (tiling.gmm_windows_write_output: all but the interleaved gate and an output
+    with more rows per packed tile than the lhs) each window writes its rows' finished values,
+    cast, into the output block; with `sums_in_output` as well (one K block) there is no
+    accumulator at all."""
     refs = list(refs)
     rhs_refs = [refs.pop(0) for _ in range(n_rhs)]
     scale_refs = [refs.pop(0) for _ in range(n_rhs)] if quantised else None
     bias_refs = [refs.pop(0) for _ in range(n_rhs)] if has_bias else None
     out_ref = refs.pop(0)
-    acc_refs = [out_ref] if sums_in_output else [refs.pop(0) for _ in range(n_rhs)]
+    acc_refs = [] if sums_in_output else [refs.pop(0) for _ in range(n_rhs)]
     k_tail = k_size % tk != 0
     prepare = quantised or k_tail
     prepared_refs = [refs.pop(0) for _ in range(n_rhs)] if prepare else None
@@ -278,14 +284,30 @@ def _gmm_kernel(
     is_last_k = kb == kt - 1
     compute = (flags & COMPUTE) != 0
 
-    if sums_in_output:
+    if writes_output:
         # Every row of a real group is written by its item's windows; the rows past
-        # sum(group_sizes) (the virtual group's items: valid, no MXU work) are written zero here.
-        @pl.when(((flags & VALID) != 0) & ~compute)
+        # sum(group_sizes) (the virtual group's items: valid, no MXU work, once per row tile at
+        # its first K block) are written zero here: they run from LO to the tile's end (rows past
+        # M are dropped by the write-back), so only the row unit holding LO is selected, and the
+        # units after it are stored in a rolled loop, not a select over the whole block (a
+        # region of the grid step's own code, ~1,000 bundles at 1024 x 2048 on v6e, which the
+        # benchmarks' schedule model charged to every grid step).
+        @pl.when(((flags & VALID) != 0) & ~compute & (kb == 0))
         def _zero_rows_past_groups():
-            rows = jax.lax.broadcasted_iota(jnp.int32, (out_ref.shape[0], 1), 0)
-            past = (rows >= lo) & (rows < hi)
-            out_ref[...] = jnp.where(past, jnp.zeros_like(out_ref), out_ref[...])
+            # lax.div, not //: LO >= 0, and jnp's floor division lowers through a sign op that
+            # Mosaic resolves against the attached device's generation.
+            first = pl.multiple_of(jax.lax.div(lo, unit) * unit, unit)
+            rows = first + jax.lax.broadcasted_iota(jnp.int32, (unit, 1), 0)
+            head = out_ref[pl.ds(first, unit), :]
+            out_ref[pl.ds(first, unit), :] = jnp.where(rows >= lo, jnp.zeros_like(head), head)
+
+            def zero_unit(u, carry):
+                out_ref[pl.ds(pl.multiple_of(u * unit, unit), unit), :] = jnp.zeros(
+                    (unit, out_ref.shape[1]), out_ref.dtype
+                )
+                return carry
+
+            jax.lax.fori_loop(jax.lax.div(first, unit) + 1, out_ref.shape[0] // unit, zero_unit, 0)
 
     else:
 
@@ -309,14 +331,13 @@ def _gmm_kernel(
                 w_ref[...] = w
 
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-    wcols = acc_refs[0].shape[1]
 
     def window(s, rows, first_row, full=False, item_first=None):
-        """Multiply lhs rows [s, s + rows) by the whole weight block(s) and merge the rows in
-        [first_row, HI) into the accumulator(s). A full window selects only its first `unit` rows
-        (the rest are the item's own), and with one K block it stores the product without reading
-        the accumulator back: its own rows are written by this window alone. (`_zero` clears the
-        accumulator once per row tile, so `item_first` is not needed here.)"""
+        """Multiply lhs rows [s, s + rows) by the whole weight block(s) and write the rows in
+        [first_row, HI) into the output block (`write_rows`) or merge them into the accumulators
+        (`accumulate`). A full window selects only its first `unit` rows (the rest are the item's
+        own). Sums start at an item's first K block (kb == 0), or from the accumulator the tile's
+        first item zeroed, so `item_first` is not needed here."""
         del item_first
         s = pl.multiple_of(s, unit)
         row_ok = _row_mask(s, unit if full else rows, first_row, hi)
@@ -332,48 +353,95 @@ def _gmm_kernel(
                 x = jnp.where(col < k_size, x, jnp.zeros_like(x))
             return x
 
+        def scaled(p, total, cols):
+            """The item's group's scale and bias applied to a row sum."""
+            if quantised:
+                total = total * scale_refs[p][:, cols].astype(jnp.float32)
+            if has_bias:
+                total = total + bias_refs[p][:, cols].astype(jnp.float32)
+            return total
+
         def finished(p, new, cols):
-            """Scale and bias, applied once to the finished sum of the item's group (last K)."""
+            """What the accumulator holds after this K block: the sum so far, scaled and biased
+            once it is finished (last K)."""
             if not (quantised or has_bias):
                 return new
-            fin = new
-            if quantised:
-                fin = fin * scale_refs[p][:, cols].astype(jnp.float32)
-            if has_bias:
-                fin = fin + bias_refs[p][:, cols].astype(jnp.float32)
+            fin = scaled(p, new, cols)
             return fin if kt == 1 else jnp.where(is_last_k, fin, new)
+
+        def write_rows(ds, cols):
+            """`writes_output`: the window's rows' finished values (scaled, biased, gated), cast,
+            go into the output block, selected to the item's rows; the last K block's are those
+            written back, so no pass zeroes an accumulator or copies it out per row tile. With
+            one K block a row's sum is the window's product `ds` itself. With more, the running
+            sums live in f32 accumulators, which an item's first K block overwrites. A full window
+            stores its sums there without a row select: its first unit's rows outside the item
+            belong to an earlier group, whose items have run all their K blocks. A tail window
+            selects: it may slide back over rows of the item's full windows, already summed for
+            this K block."""
+            win = pl.ds(s, rows)
+            totals = ds
+            if not sums_in_output:
+                totals = []
+                for acc_ref, d in zip(acc_refs, ds):
+                    cur = acc_ref[win, cols]
+                    total = jnp.where(kb == 0, d, cur + d)  # a select: stale sums may be NaN
+                    acc_ref[win, cols] = total if full else jnp.where(row_ok, total, cur)
+                    totals.append(total)
+            vals = [scaled(p, total, cols) for p, total in enumerate(totals)]
+            out = vals[0] if activation is None else gated_activation(*vals, activation)
+            out = out.astype(out_ref.dtype)
+            if not full:
+                # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if the
+                # product is NaN.
+                out_ref[win, cols] = jnp.where(row_ok, out, out_ref[win, cols])
+                return
+            # The whole window is stored without a select (each product row flows from the MXU
+            # pop to its store), then its first `unit` rows are put back where they belong to
+            # another group: slicing the product instead would hold all of it in registers.
+            head = pl.ds(s, unit)
+            before = out_ref[head, cols]
+            out_ref[win, cols] = out
+            out_ref[head, cols] = jnp.where(row_ok, out_ref[head, cols], before)
+
+        def accumulate(p, d, cols):
+            """Not `writes_output` (the interleaved gated layout, or an output of more rows per
+            packed tile than the lhs): merge the product into the accumulator, zeroed by the
+            tile's first item and written out by its last (`_store`)."""
+            acc_ref = acc_refs[p]
+            if not full:
+                cur = acc_ref[pl.ds(s, rows), cols]
+                new = finished(p, cur + d, cols)
+                acc_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, new, cur)
+                return
+            head = pl.ds(s, unit)
+            before = acc_ref[head, cols]
+            whole = d if kt == 1 else acc_ref[pl.ds(s, rows), cols] + d
+            acc_ref[pl.ds(s, rows), cols] = finished(p, whole, cols)
+            acc_ref[head, cols] = jnp.where(row_ok, acc_ref[head, cols], before)
 
         def columns(n0):
             cols = pl.ds(n0, cn)
             x = lhs_rows()
+            ds = []
             for p in range(n_rhs):
                 w = w_refs[p][cols, :] if transpose_rhs else w_refs[p][:, cols]
-                d = jax.lax.dot_general(
-                    x, w, dims, precision=_precision(x, w), preferred_element_type=jnp.float32
+                ds.append(
+                    jax.lax.dot_general(
+                        x, w, dims, precision=_precision(x, w), preferred_element_type=jnp.float32
+                    )
                 )
-                acc_ref = acc_refs[p]  # the output block itself with sums_in_output
-                if not full:
-                    cur = acc_ref[pl.ds(s, rows), cols]
-                    # A select, not a 0/1 multiply: rows of other groups stay bit-exact even if d
-                    # is NaN. The output block holds no partial sum of these rows to add to.
-                    total = d if sums_in_output else cur + d
-                    new = finished(p, total, cols).astype(acc_ref.dtype)
-                    acc_ref[pl.ds(s, rows), cols] = jnp.where(row_ok, new, cur)
-                    continue
-                # The whole window is merged without a select (each product row flows from the MXU
-                # pop to its store), then its first `unit` rows are put back where they belong to
-                # another group: slicing the product instead would hold all of it in registers.
-                head = pl.ds(s, unit)
-                before = acc_ref[head, cols]
-                whole = d if kt == 1 else acc_ref[pl.ds(s, rows), cols] + d
-                acc_ref[pl.ds(s, rows), cols] = finished(p, whole, cols).astype(acc_ref.dtype)
-                acc_ref[head, cols] = jnp.where(row_ok, acc_ref[head, cols], before)
+            if writes_output:
+                write_rows(ds, cols)
+                return
+            for p, d in enumerate(ds):
+                accumulate(p, d, cols)
 
         _over_chunks(wcols, cn, columns)
 
     _run_item(wl_ref, j, L, flags, lo, window, buckets, rc)
 
-    if sums_in_output:  # the windows wrote the output block
+    if writes_output:  # the windows wrote the output block
         return
 
     @pl.when(((flags & LAST) != 0) & is_last_k)
@@ -590,6 +658,9 @@ def _gmm_call(
     out_spec = pl.BlockSpec((tm, tn), lambda nb, j, kb, wl_ref: (_field(wl_ref, "OUT", j, L), nb))
 
     compute_dtype = lhs.dtype
+    writes_output = _tiling.gmm_windows_write_output(
+        lhs.dtype, out_dtype, layout if gated else None
+    )
     sums_in_output = _tiling.gmm_sums_in_output(
         k, tk, lhs.dtype, out_dtype, layout if gated else None
     )
@@ -644,6 +715,8 @@ def _gmm_call(
         compute_dtype=compute_dtype,
         prefetch_runs=prefetch_runs,
         col_offsets=col_offsets,
+        wcols=wcols,
+        writes_output=writes_output,
         sums_in_output=sums_in_output,
     )
     call = pl.pallas_call(

@@ -150,12 +150,20 @@ def gmm_vmem_bytes(
     return need
 
 
+def gmm_windows_write_output(lhs_dtype, out_dtype, gate_layout=None) -> bool:
+    """gmm's windows write their rows' finished values (scaled, biased, gated), cast, into the
+    output block themselves (no grid step zeroes an accumulator or copies it out per row tile)
+    unless the gate is interleaved (its epilogue pairs lanes of a whole tile and compacts them
+    with a matmul) or an lhs row unit is not a whole number of the output's packed rows (the
+    windows' dynamic row offsets must stay aligned in the output block)."""
+    return gate_layout != "interleaved" and row_unit(out_dtype) <= row_unit(lhs_dtype)
+
+
 def gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout=None) -> bool:
-    """gmm writes each window's finished rows straight into the output block (no f32 accumulator,
-    no zeroing or copy-out pass per row tile) when one K block holds all of K (a row's sum is one
-    window's product), the gmm is not gated (the epilogue pairs two sums) and an lhs row unit is
-    a whole number of the output's packed rows (the windows' dynamic row offsets stay aligned)."""
-    return -(-k // tk) == 1 and gate_layout is None and row_unit(out_dtype) <= row_unit(lhs_dtype)
+    """gmm keeps no f32 accumulator when its windows write the output block and one K block
+    holds all of K: a row's sum is then one window's product. (With more K blocks the running
+    sum stays in an f32 accumulator that each item's first K block overwrites.)"""
+    return -(-k // tk) == 1 and gmm_windows_write_output(lhs_dtype, out_dtype, gate_layout)
 
 
 def tgmm_sums_in_output(out_dtype) -> bool:
@@ -463,9 +471,9 @@ def _step_vregs(tm: int, tn: int, gate_layout: Optional[str]) -> int:
     """f32 accumulator vregs one grid step's own code zeroes / writes back (what the dumps' per
     grid step bundles outside the windows scale with).
 
-    Still charged per output tile where one K block leaves the kernel no accumulator
-    (`gmm_sums_in_output`: its windows write the output block), which the compiled program no
-    longer runs. Without it the ranking moved v5e Qwen3-30B-A3B 16384 to 256-row tiles, ranked
+    Still charged per output tile where the windows write the output block
+    (`gmm_windows_write_output`: every gmm but the interleaved gate), whose compiled program no
+    longer zeroes or copies out an accumulator per tile. Without it the ranking moved v5e Qwen3-30B-A3B 16384 to 256-row tiles, ranked
     0.4% ahead of 512, which a v5e chip ran 1.5% slower at down (2658 against 2620 us) and level
     at gate_up (4863 / 4872; results/device/v5e_gmm_tile_sweep_write_through.json): the window
     model misses what 256-row windows lose to 512-row ones, and this charge stands in for it
