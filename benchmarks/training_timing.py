@@ -16,7 +16,9 @@ that the named rows (forward calls) do not.
   fit v5e's 16 MiB of scoped VMEM).
 - the gate_up projection with its gated activation (SiLU, gate and up concatenated): ours
   fused (`kernel.gmm_gated`, writes [M, I]) against megablox's gmm writing [M, 2I] followed by
-  XLA's silu(gate) * up, and our plain gmm followed by the same XLA ops.
+  XLA's silu(gate) * up, and our plain gmm followed by the same XLA ops; and ours fused with
+  GPT-OSS's layout and gate (gate and up interleaved column by column, clamped SwiGLU), which
+  the anchors have no form of.
 
 Each is timed like a named row (device_timing.time_call: compiled, run twice, then back-to-back
 runs, the fastest run's mean). On a TPU VM, from the repository root with tests/, scripts/,
@@ -125,6 +127,29 @@ def gmm_cases(shape, generation, small=False):
         "ours",
         "gated_silu",
         lambda x, w, gs: kernel.gmm_gated(x, w, gs, activation="silu", **ours_kw),
+        (x, w(), gs),
+        None,
+    )
+
+    # GPT-OSS's layout and clamped SwiGLU (gate and up interleaved column by column): fused, and
+    # our gmm followed by XLA's gating of the [M, 2I] result (the anchors have no such gate).
+    def xla_swiglu(h):
+        h = h.astype(jnp.float32)
+        return kernel.gated_activation(h[:, 0::2], h[:, 1::2], "gpt_oss_swiglu").astype(dt)
+
+    yield (
+        "ours",
+        "gated_swiglu_interleaved",
+        lambda x, w, gs: kernel.gmm_gated(
+            x, w, gs, activation="gpt_oss_swiglu", layout="interleaved", **ours_kw
+        ),
+        (x, w(), gs),
+        None,
+    )
+    yield (
+        "ours",
+        "gmm_then_xla_swiglu_interleaved",
+        lambda x, w, gs: xla_swiglu(kernel.gmm(x, w, gs, **ours_kw)),
         (x, w(), gs),
         None,
     )
@@ -326,7 +351,10 @@ def main(argv=None):
                         # every implementation of a pass computes the same thing: the first's
                         # outputs check the others' (a wrong anchor setup would show here)
                         out = _kept(jax.tree.leaves(jitted(*fargs)))
-                        what = (name, "gate" if "silu" in pass_name else pass_name)
+                        what = (name, pass_name)
+                        for gate in ("silu", "swiglu"):  # fused or not, the same gated output
+                            if gate in pass_name:
+                                what = (name, gate)
                         if what in first_out:
                             rec["rel_err_vs_first"] = sig6(_rel_err(out, first_out[what]))
                         else:
