@@ -587,6 +587,12 @@ MEASURED_FILES = (
     # session, v5e_train_gated_(before_)windows_write_output.json the fused gate and dlhs passes,
     # v5e_ragged_check_windows_write_output.json the new kernels against the f32 references
     "v5e_ragged_ours_windows_write_output.json",
+    # the gmm at the tiles the corrected VMEM model picks (tiling.WINDOW_SCRATCH_BYTES): DeepSeek-
+    # V3-like down 4096 and Mixtral-8x7B gate_up 16384 (v5e_ragged_ours_before_vmem_model.json:
+    # the previous tiles in the same session), then Mixtral-8x7B down 16384 and two unchanged
+    # controls with the final tiling code; v5e_ragged_check_vmem_model.json: the checks
+    "v5e_ragged_ours_vmem_model.json",
+    "v5e_ragged_ours_vmem_model_final.json",
 )
 
 

@@ -316,6 +316,9 @@ TRAINING_FILES = (
     # block and the concatenated gate was applied in the windows (timed in one session)
     "v5e_train_gated_before_windows_write_output.json",
     "v5e_train_gated_windows_write_output.json",
+    # ours' dlhs at the tiles the corrected VMEM model picks, and at the previous ones (one session)
+    "v5e_train_dlhs_before_vmem_model.json",
+    "v5e_train_dlhs_vmem_model.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -432,6 +435,11 @@ TILE_SWEEPS = (
     "v5e_flash_tile_sweep10.json",
     "v5e_gmm_tile_sweep_lhs_in_loop.json",
     "v5e_gmm_tile_sweep_run_ahead.json",
+    # the gmm's new picks after the VMEM model stopped charging a whole tile's f32 product
+    # (tiling.WINDOW_SCRATCH_BYTES) beside the tiles they replace (DeepSeek-V3-like down 4096's
+    # pair ran out of the chip's HBM in the sweep's inputs and was left out; the named row timed it)
+    "v5e_gmm_tile_sweep_vmem_model.json",
+    "v5e_gmm_tile_sweep_vmem_model2.json",
 )
 
 

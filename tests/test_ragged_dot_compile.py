@@ -168,3 +168,38 @@ def test_compiles_gated_gate_up(generation, model):
     if with_bias:
         args.append(((experts, 2 * i), BF16))
     assert tpu_compile.compile_for(generation, fn, *args) is not None
+
+
+# The VMEM model against the compiler: tiles the model's need sets apart (tiling.gmm_vmem_bytes,
+# WINDOW_SCRATCH_BYTES). Mixtral-8x7B down at 4096 tokens on TPU7x (K in seven blocks, an f32
+# accumulator) and Qwen3-30B-A3B's fused gate at 16384 tokens on v6e (two weight blocks, one K
+# block): the compile's scoped VMEM is 30.8 and 27.1 MiB there.
+VMEM_CASES = {
+    "mixtral_down_tpu7x": ("tpu7x", 8192, 14336, 4096, 8, (512, 2048, 2048), None),
+    "qwen3_gate_up_silu_v6e": ("v6e", 131072, 2048, 768, 128, (1024, 2048, 768), "concatenated"),
+}
+
+
+@pytest.mark.parametrize("case", list(VMEM_CASES))
+def test_vmem_model_bounds_the_compilers_allocation(case):
+    """Compiled with vmem_limit_bytes at the model's need (no headroom) the gmm fits; 3 MiB
+    below it Mosaic runs out of scoped VMEM: the model is an upper bound, and tight enough that
+    the tile search does not give away tiles that fit (it once charged a whole tile's f32
+    product, 8 MiB here, and ruled out the first case's tiles on TPU7x's 32 MiB budget)."""
+    gen, m, k, n, g, (tm, tk, tn), layout = VMEM_CASES[case]
+    need = rd.tiling.gmm_vmem_bytes(tm, tk, tn, BF16, BF16, BF16, k=k, gate_layout=layout)
+    assert need <= rd.tiling.vmem_budget_bytes(rd.tiling.GENERATIONS[gen])
+
+    def compile_at(limit):
+        tiling = rd.tiling.GmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=limit)
+        if layout is None:
+            fn = functools.partial(K.gmm, generation=gen, tiling=tiling)
+        else:
+            fn = functools.partial(K.gmm_gated, layout=layout, generation=gen, tiling=tiling)
+        wn = n if layout is None else 2 * n
+        args = [((m, k), BF16), ((g, k, wn), BF16), ((g,), jnp.int32)]
+        return tpu_compile.compile_for(gen, fn, *args)
+
+    assert compile_at(need) is not None
+    with pytest.raises(Exception, match="ScopedVmemOom"):
+        compile_at(need - 3 * 1024 * 1024)

@@ -24,7 +24,9 @@ zero-fill of empty groups' output blocks, ties within TGMM_RANKING_TOLERANCE to 
 bytes.
 The VMEM budget model counts every buffer the kernel holds: double-buffered input and output
 blocks, the f32 accumulator (where it has one), the quantisation scales, the dequantised weight
-copy, the masked K-tail copies and the f32 matmul result before it is merged. Any of tm / tk /
+copy, the masked K-tail copies, and Mosaic's own scratch beside them (measured on deviceless
+compiles where the windows write the output; a whole tile's f32 product where an epilogue works on
+the tile: `gmm_vmem_bytes`). Any of tm / tk /
 tn can be overridden; the rest are searched.
 The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
 (concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
@@ -124,6 +126,17 @@ class TgmmTiling:
     vmem_limit_bytes: Optional[int] = None
 
 
+# What Mosaic allocates beside a gmm's buffers (blocks, accumulators, dequantised / masked copies)
+# when its windows write the output block, per weight block a window multiplies. The windows'
+# f32 products are not held whole: at Mixtral-8x7B down, 512-row windows of 2048 columns, the
+# compile's scoped VMEM is the buffers plus 2.8 MiB, where the tile's product alone is 4 MiB.
+# Measured as the smallest vmem_limit_bytes a deviceless compile accepts, over 15 tilings of
+# production shapes on v5e, v6e and TPU7x (bf16 and int8, K in one block and split, the
+# concatenated gate): 0.35-3.0 MiB with one weight block, 4.1-5.1 with the gate's two
+# (tests/test_ragged_dot_compile.py checks the model against the compiler both ways).
+WINDOW_SCRATCH_BYTES = 3 * 1024 * 1024
+
+
 def gmm_vmem_bytes(
     tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, *, k=None, quantised=False, gate_layout=None
 ) -> int:
@@ -137,16 +150,21 @@ def gmm_vmem_bytes(
     need = 2 * tm * tk * lb + 2 * tk * tn * wb + 2 * tm * out_tn * ob  # double-buffered blocks
     if k is None or not gmm_sums_in_output(k, tk, lhs_dtype, out_dtype, gate_layout):
         need += tm * tn * 4  # f32 accumulator
-    need += 2 * tm * tn * 4  # f32 matmul result and the merged value before the select
+    if gmm_windows_write_output(lhs_dtype, out_dtype, gate_layout) and max(lb, wb) < 4:
+        # The windows' products flow from the MXU into their stores: what Mosaic holds beside
+        # the buffers is its own scratch, per weight block (WINDOW_SCRATCH_BYTES).
+        need += _weight_blocks(out_tn, gate_layout)[0] * WINDOW_SCRATCH_BYTES
+    else:
+        # The whole tile's f32 product and merged value (the interleaved gate's epilogue works
+        # on the whole tile; f32 operands go through the MXU in several bf16 passes).
+        need += 2 * tm * tn * 4
     if quantised:
         need += 2 * 8 * tn * 4  # scale blocks (1, tn) f32, padded to 8 sublanes, double-buffered
         need += tk * tn * lb  # weights dequantised to the lhs dtype
     if k is not None and k % tk:
         need += tm * tk * lb + tk * tn * max(wb, lb)  # masked copies of the last K block
-    if gate_layout is not None:
-        need += tm * tn * 4  # activation values of the epilogue
-        if gate_layout == "interleaved":
-            need += tn * out_tn * 4  # the lane-selection matrix
+    if gate_layout == "interleaved":  # the epilogue's activation values, lane-selection matrix
+        need += tm * tn * 4 + tn * out_tn * 4
     return need
 
 
@@ -183,12 +201,15 @@ def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
 
 def _gmm_traffic(m, k, n, num_groups, lb, wb, ob, tm, tk, tn, items, gate_layout=None):
     """HBM bytes and grid steps of gmm with evenly sized groups (the closed form behind the tile
-    search and the pallas_call cost estimate): lhs once per N tile; weights once per group when K
-    is whole, else once per item; the output once. A gated gmm reads 2 * n weight columns."""
+    search and the pallas_call cost estimate): lhs once per N tile when K is whole, else its row
+    tile once per item (consecutive items of a row tile step through its K blocks, so each
+    copies them again); weights once per group when K is whole, else once per item; the output
+    once. A gated gmm reads 2 * n weight columns."""
     kt, nt = -(-k // tk), -(-n // tn)
     wn = 2 * n if gate_layout is not None else n
     groups_read = min(num_groups, m) if kt == 1 else items
-    nbytes = nt * m * k * lb + groups_read * k * wn * wb + m * n * ob
+    lhs_rows = m if kt == 1 else max(m, items * min(tm, m))
+    nbytes = nt * lhs_rows * k * lb + groups_read * k * wn * wb + m * n * ob
     return nbytes, nt * items * kt
 
 
