@@ -26,8 +26,7 @@ The VMEM budget model counts every buffer the kernel holds: double-buffered inpu
 blocks, the f32 accumulator (where it has one), the quantisation scales, the dequantised weight
 copy, the masked K-tail copies, and Mosaic's own scratch beside them (measured on deviceless
 compiles where the windows write the output; a whole tile's f32 product where an epilogue works on
-the tile: `gmm_vmem_bytes`). Any of tm / tk /
-tn can be overridden; the rest are searched.
+the tile: `gmm_vmem_bytes`). Any of tm / tk / tn can be overridden; the rest are searched.
 The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
 (concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
 `call_cost` gives every pallas_call its CostEstimate from the same closed forms.
