@@ -77,20 +77,25 @@ def _megablox():
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
-def gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
-    """megablox's own visit list: (group_ids, m_tile_ids, number of visits)."""
+def _visit_list(module, group_sizes: np.ndarray, m: int, tm: int, visit_empty_groups: bool):
+    """(group_ids, m_tile_ids, number of visits) from a megablox-scheme kernel module's own
+    make_group_metadata."""
     import jax.numpy as jnp
 
-    mg = _megablox()
-    (offsets, group_ids, m_tile_ids), num_tiles = mg.make_group_metadata(
+    (_, group_ids, m_tile_ids), num_tiles = module.make_group_metadata(
         group_sizes=jnp.asarray(group_sizes, jnp.int32),
         m=m,
         tm=tm,
         start_group=jnp.int32(0),
         num_nonzero_groups=len(group_sizes),
-        visit_empty_groups=False,
+        visit_empty_groups=visit_empty_groups,
     )
     return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
+
+
+def gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
+    """megablox's own visit list: (group_ids, m_tile_ids, number of visits)."""
+    return _visit_list(_megablox(), group_sizes, m, tm, visit_empty_groups=False)
 
 
 def gmm_min_bytes(shape) -> int:
@@ -204,6 +209,70 @@ def gmm_compile_args(shape, tiling=GMM_TILING, out_dtype: str | None = None):
     ]
 
 
+def tgmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
+    """megablox tgmm's visit list: gmm_metadata's, empty groups visited (their output is zeroed
+    by a visit of their own)."""
+    return _visit_list(_megablox(), group_sizes, m, tm, visit_empty_groups=True)
+
+
+def tgmm_operands(shape, tiling, metadata, out_dtype=None):
+    """(grid, operands) of megablox's tgmm (the weight gradient out[g] = lhs[rows of g].T @
+    dout[rows of g]): grid (N tiles, K tiles, visits); lhs [tm, tk] and dout [tm, tn] of the
+    visit's m tile, out [tk, tn] of its group."""
+    tm, tk, tn = tiling
+    isz = itemsize(shape.dtype)
+    osz = itemsize(out_dtype or shape.dtype)
+    group_ids, m_tile_ids, visits = metadata
+    grid = (math.ceil(shape.n / tn), math.ceil(shape.k / tk), visits)
+    return grid, [
+        Operand("lhs", tm * tk * isz, lambda n, k, g: (m_tile_ids[g], k)),
+        Operand("dout", tm * tn * isz, lambda n, k, g: (m_tile_ids[g], n)),
+        Operand("out", tk * tn * osz, lambda n, k, g: (group_ids[g], k, n), is_output=True),
+    ]
+
+
+def tgmm_cost(shape, tiling, out_dtype: str | None = None):
+    """megablox tgmm's traffic from its index maps over its visit list; every step multiplies a
+    whole (tk, tm) x (tm, tn) block (rows of other groups masked). Returns (KernelCost, info)
+    with its visit list's `group_runs` (the output tiles it zeroes and stores: one per run of
+    visits to a group, per (N tile, K tile))."""
+    tm, tk, tn = tiling
+    metadata = tgmm_metadata(shape.group_sizes, shape.m, tm)
+    grid, ops = tgmm_operands(shape, tiling, metadata, out_dtype)
+    p = pipeline_bytes(grid, ops)
+    group_ids = metadata[0][: metadata[2]]
+    runs = 1 + int((np.diff(group_ids) != 0).sum())
+    cost = KernelCost(
+        useful_flops=gmm_useful_flops(shape),
+        mxu_flops=2 * tm * tk * tn * p["steps"],
+        hbm_bytes=p["read"] + p["write"],
+        min_hbm_bytes=gmm_min_bytes(shape),
+        grid_steps=p["steps"],
+        vmem_bytes=2 * (tm * tk + tm * tn) * itemsize(shape.dtype)
+        + 2 * tk * tn * itemsize(out_dtype or shape.dtype)
+        + tk * tn * 4,
+    )
+    return cost, {"tiling": list(tiling), "group_runs": runs * grid[0] * grid[1]}
+
+
+def tgmm_compile_args(shape, tiling, out_dtype: str | None = None):
+    """(fn, avals) of megablox's jitted tgmm (lhs handed over [K, M], as its op takes it)."""
+    import jax.numpy as jnp
+
+    mg = _megablox()
+    dt = _jnp_dtype(shape.dtype)
+    out_dtype = _jnp_dtype(out_dtype or shape.dtype)
+
+    def fn(lhs_t, dout, gs):
+        return mg.tgmm(lhs_t, dout, gs, preferred_element_type=out_dtype, tiling=tiling)
+
+    return fn, [
+        ((shape.k, shape.m), dt),
+        ((shape.m, shape.n), dt),
+        ((shape.experts,), jnp.int32),
+    ]
+
+
 # -------------------------------------------------------------------------------------------------
 # tokamax's TPU gmm (tokamax 0.0.12 from `.tokamax/`, the kernel kernels-community/ragged-dot-tpu
 # runs), imported as benchmarks/validate_schedule.py imports it
@@ -297,17 +366,7 @@ def tokamax_gmm_unsupported(shape, tiling) -> str | None:
 
 def tokamax_gmm_metadata(group_sizes: np.ndarray, m: int, tm: int):
     """tokamax's own visit list (its make_group_metadata): (group_ids, m_tile_ids, visits)."""
-    import jax.numpy as jnp
-
-    (_, group_ids, m_tile_ids), num_tiles = tokamax_gmm_kernel().make_group_metadata(
-        group_sizes=jnp.asarray(group_sizes, jnp.int32),
-        m=m,
-        tm=tm,
-        start_group=jnp.int32(0),
-        num_nonzero_groups=len(group_sizes),
-        visit_empty_groups=False,
-    )
-    return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
+    return _visit_list(tokamax_gmm_kernel(), group_sizes, m, tm, visit_empty_groups=False)
 
 
 def tokamax_gmm_cost(shape, generation: str, config: dict | None = None):

@@ -186,6 +186,16 @@ class RaggedDot(Adapter):
         )
 
 
+def _work_list(T, group_sizes, m: int, tm: int, unit: int, kind: str) -> dict:
+    """The kernel's work list for concrete group sizes (`T`: the family's tiling module), as
+    named fields."""
+    wl = T.work_list(
+        np.asarray(group_sizes, np.int32),
+        m=m, tm=tm, buckets=T.bucket_sizes(tm, unit), unit=unit, kind=kind,
+    )  # fmt: skip
+    return T._fields(wl)
+
+
 def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=False) -> dict:
     """`RaggedDot.schedule_trips` for any gmm call: the ragged_dot package `mod`, the call's
     group sizes, problem size and dtype, its tiling `t` and the generation it compiles for (the
@@ -193,16 +203,7 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
     schedule overlaps DMA and compute per step)."""
     T, K = mod.tiling, mod.kernel
     unit = T.row_unit(dtype)
-    wl = T._fields(
-        T.work_list(
-            np.asarray(group_sizes, np.int32),
-            m=m,
-            tm=t.tm,
-            buckets=T.bucket_sizes(t.tm, unit),
-            unit=unit,
-            kind="gmm",
-        )
-    )
+    wl = _work_list(T, group_sizes, m, t.tm, unit, "gmm")
     chunks = t.tn // K._n_chunk(t.tk, t.tn, T.get_generation(generation), t.tm, unit)
     # the kernel's own per-step work (tiling.gmm_step_work; the tile ranking reads it too, and
     # test_benchmarks checks its copies against the generic BlockSpec model)
@@ -223,6 +224,31 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
             "writes": w["writes"],
         }
     return trips
+
+
+def tgmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None) -> dict:
+    """`gmm_trips` for a tgmm call (tiles `t`): full row windows (the hot loop's iterations, one
+    per column chunk) and tail windows (one bucket region each, `chunks` runs) over every (K
+    tile, N tile), and each grid step's work (tiling.tgmm_step_work: its windows, MXU rows,
+    copies in and write-backs)."""
+    T = mod.tiling
+    gen = T.get_generation(generation)
+    unit = T.row_unit(dtype, dtype)
+    wl = _work_list(T, group_sizes, m, t.tm, unit, "tgmm")
+    chunks = t.tn // T.window_cols(t.tk, t.tn, gen, t.tm, unit)
+    isz = np.dtype(dtype).itemsize
+    w = T.tgmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz, gen.mxu_size)
+    return {
+        "hot_iterations": float(w["full"].sum() * chunks),
+        "side_region_runs": float(w["tail"].sum() * chunks),
+        "step_work": {
+            "hot": w["full"] * chunks,
+            "side": w["tail"] * chunks,
+            "mxu": w["rows"],
+            "reads": w["reads"],
+            "writes": w["writes"],
+        },
+    }
 
 
 def _window_size(shape):

@@ -319,6 +319,12 @@ TRAINING_FILES = (
     # ours' dlhs at the tiles the corrected VMEM model picks, and at the previous ones (one session)
     "v5e_train_dlhs_before_vmem_model.json",
     "v5e_train_dlhs_vmem_model.json",
+    # ours' tgmm at the tiles its corrected VMEM model and per-step ranking pick, and at the
+    # previous ones (one session)
+    "v5e_train_tgmm_before_step_profile.json",
+    "v5e_train_tgmm_step_profile.json",
+    # the same tgmm tiles again beside megablox's 128-row tgmm (outputs compared), one session
+    "v5e_train_tgmm_step_profile_checked.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -492,6 +498,61 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
     return out + [""]
 
 
+def tgmm_schedule_markdown(path: Path = RESULTS / "tgmm_schedule.json") -> list[str]:
+    """The weight gradient's whole calls by the compiled schedule (benchmarks/tgmm_schedule.py):
+    ours at its own tiles beside megablox's tgmm at the two tilings the chip times it at."""
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    table: dict = {}
+    for r in rows:
+        table.setdefault((r["shape"], r["generation"]), {})[r["impl"]] = r
+    head = [
+        "shape",
+        "generation",
+        "ours (tiles)",
+        "megablox 128-row",
+        "megablox 512-row",
+        "ours / best",
+    ]
+    out = [
+        "## Weight gradient (tgmm) by the compiled schedule",
+        "",
+        "`benchmarks/tgmm_schedule.py`: our `kernel.tgmm` at the tiles its search picks and "
+        "megablox's tgmm at the tilings `training_timing.py` times (128 / 512 rows, K and N "
+        "tiles up to 1024), each compiled deviceless and scheduled with the forward rows' model "
+        "(per-step DMA / compute overlap over the call's own work list or visit list). "
+        "Scheduled us (what bounds it; the hot loop's MXU occupancy). Scheduled, not measured.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+
+    def cell(r):
+        if r is None:
+            return "-"
+        if "error" in r:
+            return "does not compile"
+        occ = r["hot_mxu_occupancy"]
+        return f"{_sig(r['scheduled_us'])} ({r['bound']}, {occ:.2f})"
+
+    for (shape, gen), byimpl in table.items():
+        ours = byimpl.get("ours")
+        anchors_ = [byimpl.get("anchor:megablox_large"), byimpl.get("anchor:megablox_tall")]
+        times = [a["scheduled_us"] for a in anchors_ if a and "scheduled_us" in a]
+        ratio = (
+            f"{ours['scheduled_us'] / min(times):.2f}x"
+            if ours and "scheduled_us" in ours and times
+            else ""
+        )
+        tiles = "/".join(map(str, ours["tiles"])) if ours else ""
+        out.append(
+            f"| {shape} | {gen} | {cell(ours)} ({tiles}) | {cell(anchors_[0])} "
+            f"| {cell(anchors_[1])} | {ratio} |"
+        )
+    return out + [""]
+
+
 def markdown(results: dict) -> str:
     # What results.json holds (written with sorted keys): the same Markdown whether a writer
     # passes its in-memory results or the file is read back.
@@ -640,6 +701,7 @@ def markdown(results: dict) -> str:
                     "hardware, other kernels: a reference point for the modelled times."
                 )
             out.append("")
+    out += tgmm_schedule_markdown()
     out += sharded_markdown(results.get("sharded"))
     if results.get("bucket_padding"):
         import bucket_padding

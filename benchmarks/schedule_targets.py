@@ -148,6 +148,11 @@ def compile_tgmm_tiles(generation: str, shape: str, tiles=None):
     default tiles when None: the tgmm points of the tile-ranking calibration
     (tile_model_calibration.json "tgmm_points") were dumped with it (op-name filter
     ragged_dot_tgmm)."""
+    return lower_tgmm_tiles(generation, shape, tiles).compile()
+
+
+def lower_tgmm_tiles(generation: str, shape: str, tiles=None):
+    """`compile_tgmm_tiles`' program, lowered (not compiled)."""
     import jax.numpy as jnp
 
     s, mod, dt = _ragged(shape)
@@ -157,7 +162,21 @@ def compile_tgmm_tiles(generation: str, shape: str, tiles=None):
         return mod.kernel.tgmm(lhs, dout, gs, out_dtype=dt, tiling=t, generation=generation)
 
     avals = [((s.m, s.k), dt), ((s.m, s.n), dt), ((s.experts,), jnp.int32)]
-    return _lowered(generation, fn, avals).compile()
+    return _lowered(generation, fn, avals)
+
+
+def compile_megablox_tgmm(generation: str, shape: str, tiles):
+    """megablox's tgmm at the named ragged benchmark shape's M / K / N / groups and tiles
+    (tm, tk, tn), as the benchmarks' tgmm rows compare it (benchmarks/tgmm_schedule.py)."""
+    return lower_megablox_tgmm(generation, shape, tiles).compile()
+
+
+def lower_megablox_tgmm(generation: str, shape: str, tiles):
+    """`compile_megablox_tgmm`'s program, lowered (not compiled)."""
+    import anchors
+
+    fn, avals = anchors.tgmm_compile_args(_ragged(shape)[0], tuple(tiles))
+    return _lowered(generation, fn, avals)
 
 
 def compile_gmm_tiles(generation: str, shape: str, tiles=None):

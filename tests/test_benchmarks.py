@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,112 @@ def test_gmm_step_work_copies_what_the_blockspecs_copy(layout):
     assert w["writes"].tolist() == writes.tolist()
     assert len(w["rows"]) == nt * L * kt and w["rows"].sum() >= nt * kt * gs.sum()
     assert (w["rows"] > 0).sum() == ((w["full"] + w["tail"]) > 0).sum()
+
+
+def test_tgmm_step_work_copies_what_the_blockspecs_copy():
+    """tgmm's per-step copies (tiling.tgmm_step_work: the tile ranking's step profile and the
+    benchmarks' tgmm schedule) are what the generic BlockSpec model copies for kernel.tgmm's
+    index maps over the same work list (grid K tiles x N tiles x items; an empty group's item,
+    rows past sum(group_sizes)); they add up to estimate_cost's exact bytes, and the windows to
+    its grid steps."""
+    import kernel_loader
+
+    T = kernel_loader.load_kernel("ragged_dot").tiling
+    m, k, n, tm, tk, tn = 1000, 768, 1024, 128, 256, 512
+    unit = T.row_unit("bfloat16", "bfloat16")
+    gs = np.asarray([300, 0, 128, 17, 400], np.int32)  # 845 rows: 155 past the groups
+    wl = T._fields(
+        T.work_list(gs, m=m, tm=tm, buckets=T.bucket_sizes(tm, unit), unit=unit, kind="tgmm")
+    )
+    w = T.tgmm_step_work(wl, k, n, tm, tk, tn, unit, 2, 2, 4, 128)
+    L, kt, nt = wl["FLAGS"].shape[0], k // tk, n // tn
+    reads, writes = blockspec_model.step_copies(
+        (kt, nt, L),
+        [
+            blockspec_model.Operand("lhs", tm * tk * 2, lambda kb, nb, j: (wl["TILE"][j], kb)),
+            blockspec_model.Operand("dout", tm * tn * 2, lambda kb, nb, j: (wl["TILE"][j], nb)),
+            blockspec_model.Operand(
+                "out", tk * tn * 4, lambda kb, nb, j: (wl["OUT"][j], kb, nb), True
+            ),
+        ],
+    )
+    assert w["reads"].tolist() == reads.tolist()
+    assert w["writes"].tolist() == writes.tolist()
+    cost = T.estimate_cost(
+        "tgmm", (m, k), (m, n), gs, out_dtype="float32",
+        tiling=T.TgmmTiling(tm=tm, tk=tk, tn=tn),
+    )  # fmt: skip
+    assert w["reads"].sum() + w["writes"].sum() == cost.hbm_bytes
+    assert len(w["rows"]) == cost.grid_steps == kt * nt * L
+    # every row of every group is in a window of each (K, N) tile, rounded up to the MXU side
+    assert w["rows"].sum() >= kt * nt * gs.sum()
+    assert not (w["rows"] % 128).any()
+    assert (w["rows"] > 0).sum() == ((w["full"] + w["tail"]) > 0).sum()
+
+
+@pytest.mark.timeout(300)
+def test_megablox_tgmm_closed_form_equals_counted():
+    """megablox's tgmm in TPU interpret mode (several K and N tiles, an empty group, revisited
+    row tiles): the HBM bytes its pipeline copies and its grid steps are the closed form's
+    (anchors.tgmm_cost, what benchmarks/tgmm_schedule.py schedules it by), and its result is
+    the weight gradient."""
+    import anchors
+    import rows
+
+    gs = np.asarray([70, 0, 50, 72], np.int32)  # 192 rows, one empty group
+    s = types.SimpleNamespace(m=192, k=256, n=384, experts=4, dtype="bfloat16", group_sizes=gs)
+    tiling = (64, 128, 128)
+    cost, info = anchors.tgmm_cost(s, tiling)
+    key = jax.random.key(3)
+    x = jax.random.normal(key, (s.m, s.k), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.fold_in(key, 1), (s.m, s.n), jnp.bfloat16)
+    mg = anchors._megablox()
+
+    def fn(x, dy, gs):
+        return mg.tgmm.__wrapped__(
+            x.swapaxes(0, 1), dy, gs, preferred_element_type=jnp.bfloat16, tiling=tiling,
+            interpret=True,
+        )  # fmt: skip
+
+    counted = rows.count_row(fn, (x, dy, jnp.asarray(gs)))
+    assert counted["hbm_bytes"] == counted["blockspec_read_bytes"] + counted["hbm_write_bytes"]
+    assert counted["hbm_bytes"] == cost.hbm_bytes, counted
+    visits = anchors.tgmm_metadata(gs, s.m, tiling[0])[2]
+    assert cost.grid_steps == visits * (s.k // 128) * (s.n // 128)
+    # runs of visits to one group: 3 groups with rows, the empty group's own visit
+    assert info["group_runs"] == 4 * (s.k // 128) * (s.n // 128)
+    out = fn(x, dy, jnp.asarray(gs)).astype(jnp.float32)
+    ends = np.cumsum(gs)
+    for g, (lo, hi) in enumerate(zip(ends - gs, ends)):
+        ref = x[lo:hi].astype(jnp.float32).T @ dy[lo:hi].astype(jnp.float32)
+        assert jnp.allclose(out[g], ref, rtol=2e-2, atol=0.5)
+
+
+def test_tgmm_schedule_rows_are_current():
+    """results/tgmm_schedule.json (the README's tgmm figures) is what benchmarks/tgmm_schedule.py
+    gives now: ours at the tiles the tile search picks today, and every row's scheduled time
+    recomputed from its cached compile with today's model and closed forms (no compile)."""
+    import schedule_rows
+    import tgmm_schedule
+
+    rows = json.loads(tgmm_schedule.RESULTS.read_text())["rows"]
+    cache = schedule_rows._load_cache(tgmm_schedule.CACHE)
+    shapes_ = {s.name: s for s in tgmm_schedule._shapes()}
+    assert {(r["shape"], r["generation"]) for r in rows} == {
+        (s, g) for s in shapes_ for g in tgmm_schedule.GENS
+    }
+    for r in rows:
+        shape = shapes_[r["shape"]]
+        if r["impl"] == "ours":
+            assert tuple(r["tiles"]) == tgmm_schedule.default_tiles(shape, r["generation"]), r
+        again = tgmm_schedule.row(
+            r["impl"], shape, r["generation"], r["tiles"], entry=cache[r["cache_key"]]
+        )
+        if "error" in r:  # does not compile: said so in the table
+            assert again["error"] == r["error"]
+            continue
+        assert again["scheduled_us"] == r["scheduled_us"], (r, again)
+        assert again["hbm_bytes"] == r["hbm_bytes"] and again["grid_steps"] == r["grid_steps"]
 
 
 def test_gmm_ranking_overlaps_each_steps_copies_with_its_compute():

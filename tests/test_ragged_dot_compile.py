@@ -203,3 +203,22 @@ def test_vmem_model_bounds_the_compilers_allocation(case):
     assert compile_at(need) is not None
     with pytest.raises(Exception, match="ScopedVmemOom"):
         compile_at(need - 3 * 1024 * 1024)
+
+
+def test_tgmm_vmem_model_bounds_the_compilers_allocation():
+    """tgmm's VMEM model (tiling.tgmm_vmem_bytes: buffers, f32 accumulator, the windows'
+    scratch) against the compiler, both ways, at DeepSeek-V3-like gate's v5e tiles (1024 / 1024
+    / 2048, bf16 output: the compile's scoped VMEM is 29.6 MiB, the buffers and accumulator
+    28). It used to charge a whole (tk, tn) f32 product and merged value and the row-masked
+    operand copies (50 MiB here), which kept larger tiles out of TPU7x's 32 MiB budget."""
+    gen, m, k, n, g, (tm, tk, tn) = "v5e", 8192, 7168, 2048, 64, (1024, 1024, 2048)
+    need = rd.tiling.tgmm_vmem_bytes(tm, tk, tn, BF16, BF16, BF16)
+
+    def compile_at(limit):
+        tiling = rd.tiling.TgmmTiling(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=limit)
+        fn = functools.partial(K.tgmm, generation=gen, tiling=tiling)
+        return tpu_compile.compile_for(gen, fn, ((m, k), BF16), ((m, n), BF16), ((g,), jnp.int32))
+
+    assert compile_at(need) is not None
+    with pytest.raises(Exception, match="ScopedVmemOom"):
+        compile_at(need - 3 * 1024 * 1024)

@@ -15,18 +15,21 @@ its rows) plus the grid steps' own accumulator code (`_step_vregs`), with the co
 copies overlapped grid step by grid step on a representative routing (`gmm_step_profile`: a
 group's first step copies a whole weight block, and a step with few rows cannot hide it);
 candidates within RANKING_TOLERANCE of the fastest go to the one moving the fewest HBM bytes,
-then to the faster by the model. tgmm ranks the same way (`_tgmm_search`) on `tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
+then to the faster by the model. tgmm ranks the same way (`_tgmm_search`) on
+`tgmm_candidate_cost`: `_tgmm_traffic`'s bytes and steps, what its expected row windows push
 through the MXU and move through VMEM (`tgmm_window_units`, calibrated on the LLO dumps of tgmm,
 tile_model_calibration.json "tgmm_points": the dout rows are the MXU's stationary operand, so a
 window of any rows up to the MXU side pushes as much as a full one, and each window reads and
 writes its whole f32 (tk, tn) running sum and writes it, cast, into the output block) and the
-zero-fill of empty groups' output blocks, ties within TGMM_RANKING_TOLERANCE to the fewest HBM
-bytes.
+zero-fill of empty groups' output blocks, with the windows and the copies overlapped grid step by
+grid step (`tgmm_step_profile`: a group's output block is written back under the next group's
+windows), ties within TGMM_RANKING_TOLERANCE to the fewest HBM bytes.
 The VMEM budget model counts every buffer the kernel holds: double-buffered input and output
 blocks, the f32 accumulator (where it has one), the quantisation scales, the dequantised weight
 copy, the masked K-tail copies, and Mosaic's own scratch beside them (measured on deviceless
 compiles where the windows write the output; a whole tile's f32 product where an epilogue works on
-the tile: `gmm_vmem_bytes`). Any of tm / tk / tn can be overridden; the rest are searched.
+the tile: `gmm_vmem_bytes`, `tgmm_vmem_bytes`). Any of tm / tk / tn can be overridden; the rest
+are searched.
 The gated gate_up gmm (`gate_layout`) searches its output tile tn over the tiles its layout allows
 (concatenated: divisors of I; interleaved: multiples of 64 up to 512) with twice the weight columns.
 `call_cost` gives every pallas_call its CostEstimate from the same closed forms.
@@ -190,9 +193,18 @@ def tgmm_sums_in_output(out_dtype) -> bool:
 
 
 def tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype) -> int:
+    """VMEM the tgmm kernel holds for these tiles: double-buffered lhs, dout and output blocks,
+    the f32 accumulator (unless the output is f32 and holds the sum), and what Mosaic allocates
+    beside them. Its windows work one column chunk at a time and write each chunk's sum back
+    at once, so that is the windows' scratch (WINDOW_SCRATCH_BYTES; the smallest vmem_limit_bytes
+    a deviceless compile accepts is buffers + accumulator + 1.0-1.6 MiB at production tiles on
+    v5e / v6e / TPU7x), not a whole (tk, tn) f32 product and merged value. f32 operands, which
+    go through the MXU in several bf16 passes, keep those and the row-masked copies."""
     lb, db, ob = _itemsize(lhs_dtype), _itemsize(dout_dtype), _itemsize(out_dtype)
     need = 2 * tm * tk * lb + 2 * tm * tn * db + 2 * tk * tn * ob
     need += 0 if tgmm_sums_in_output(out_dtype) else tk * tn * 4  # f32 accumulator
+    if max(lb, db) < 4:
+        return need + WINDOW_SCRATCH_BYTES
     need += 2 * tk * tn * 4  # matmul result and merged value
     need += tm * tk * lb + tm * tn * db  # row-masked operand copies
     return need
@@ -856,6 +868,86 @@ def _tgmm_window_totals(gen, window_rows, window_counts, tk, cols, *dtypes) -> d
     return _summed_windows(u, window_counts)
 
 
+def tgmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, dout_bytes, out_bytes, mxu_side):
+    """Per grid step (K tile, N tile, item) of a tgmm call, in grid order, from its work list
+    `wl` (`_fields` of `work_list(kind="tgmm")`): "full", its full row windows; "tail", 1 where
+    it runs a tail window; "bucket", that tail's bucket (-1: none); "rows", the MXU rows its
+    windows issue (a window's rows rounded up to the MXU side `mxu_side`: the dout rows are the
+    stationary operand, so a 16-row tail passes as many times as a full 128 / 256); "reads",
+    the bytes copied in for it (lhs (TILE, kb), dout (TILE, nb): kernel.tgmm's index maps), placed
+    where `tpu_generations.overlapped_step_seconds` hides them (reads[i] under step i - 1);
+    "writes", the (tk, tn) output block written back after it when the next step moves to
+    another group's block (OUT, kb, nb). The tile ranking's `tgmm_step_profile` and the
+    benchmarks' per-step schedule (benchmarks/ours.py) both read it."""
+    buckets = np.asarray(bucket_sizes(tm, unit))
+    L = wl["FLAGS"].shape[0]
+    kt, nt = -(-k // tk), -(-n // tn)
+    compute = (wl["FLAGS"] & F_COMPUTE) != 0
+    tail = compute & (wl["BUCKET"] >= 0)
+    full = np.where(compute, wl["NFULL"], 0)
+    bucket = np.where(tail, wl["BUCKET"], -1)
+    tail_rows = np.where(tail, buckets[np.maximum(bucket, 0)], 0)
+    passes = lambda r: -(-r // mxu_side) * mxu_side  # noqa: E731
+    rows = full * passes(row_chunk(tm)) + np.where(tail, passes(tail_rows), 0)
+    kb = np.repeat(np.arange(kt), nt * L)
+    nb = np.tile(np.repeat(np.arange(nt), L), kt)
+    j = np.tile(np.arange(L), kt * nt)
+
+    def changed(*idx):  # a block is copied when its index differs from the previous step's
+        return np.r_[True, np.any([np.diff(a) != 0 for a in idx], axis=0)]
+
+    tile = wl["TILE"][j]
+    reads = changed(tile, kb) * float(tm * tk * lhs_bytes) + changed(tile, nb) * float(
+        tm * tn * dout_bytes
+    )
+    writes = np.r_[changed(wl["OUT"][j], kb, nb)[1:], True] * float(tk * tn * out_bytes)
+    return {
+        "full": full[j].astype(float),
+        "tail": tail[j].astype(float),
+        "bucket": bucket[j],
+        "rows": rows[j].astype(float),
+        "reads": reads,
+        "writes": writes,
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def tgmm_step_profile(
+    gen_name, m, k, n, num_groups, tm, tk, tn, unit, lhs_dtype, dout_dtype, out_dtype
+) -> tuple:
+    """KernelCost.step_profile of a tgmm call on `representative_group_sizes`: per grid step
+    the bundles of its windows (`tgmm_window_units` under the shared `tile_bundles`, per window
+    kind), the bytes it copies in and the bytes it writes back (`tgmm_step_work`). What it adds
+    to the ranking: a group's (tk, tn) output block is written back once per group, under the
+    next group's steps; with few rows per group (DeepSeek-V3-like: 256 experts, ~128 rows each
+    at 4096 tokens) a large block's write-back outlasts the windows that should hide it."""
+    gen = get_generation(gen_name)
+    dtypes = (lhs_dtype, dout_dtype, out_dtype)
+    wl = _fields(
+        work_list(
+            representative_group_sizes(m, num_groups),
+            m=m, tm=tm, buckets=bucket_sizes(tm, unit), unit=unit, kind="tgmm",
+        )
+    )  # fmt: skip
+    w = tgmm_step_work(wl, k, n, tm, tk, tn, unit, *(_itemsize(d) for d in dtypes), gen.mxu_size)
+    cn = window_cols(tk, tn, gen, tm, unit)
+    kinds = [row_chunk(tm)] + list(bucket_sizes(tm, unit))
+    u = tgmm_window_units(gen, kinds, tk, cn, *dtypes)
+    per_window = np.array(
+        [
+            _generations.tile_bundles(
+                gen,
+                mxu_pushes=u["mxu_pushes"][i],
+                vmem_loads=u["vmem_loads"][i],
+                vmem_stores=u["vmem_stores"][i],
+            )
+            for i in range(len(kinds))
+        ]
+    )
+    bundles = w["full"] * per_window[0] + np.where(w["bucket"] >= 0, per_window[1:][w["bucket"]], 0)
+    return bundles * (tn // cn), w["reads"], w["writes"]
+
+
 def _tgmm_step_vregs(tk: int, tn: int, out_dtype) -> int:
     """Vregs of the one thing a tgmm grid step writes outside its windows: an empty group's
     (tk, tn) output block, zero (what the dumps' grid-step bundles outside the windows scale
@@ -902,6 +994,9 @@ def tgmm_candidate_cost(
         grid_steps=int(steps),
         vmem_bytes=int(tgmm_vmem_bytes(tm, tk, tn, lhs_dtype, dout_dtype, out_dtype)),
         step_vregs=kt * nt * empty * _tgmm_step_vregs(tk, tn, out_dtype),
+        step_profile=tgmm_step_profile(
+            gen.name, m, k, n, num_groups, tm, tk, tn, unit, *(np.dtype(d).name for d in dtypes)
+        ),
         **units,
     )
 
