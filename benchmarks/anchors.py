@@ -231,13 +231,14 @@ def tgmm_operands(shape, tiling, metadata, out_dtype=None):
     ]
 
 
-def tgmm_cost(shape, tiling, out_dtype: str | None = None):
-    """megablox tgmm's traffic from its index maps over its visit list; every step multiplies a
-    whole (tk, tm) x (tm, tn) block (rows of other groups masked). Returns (KernelCost, info)
-    with its visit list's `group_runs` (the output tiles it zeroes and stores: one per run of
-    visits to a group, per (N tile, K tile))."""
+def tgmm_cost(shape, tiling, out_dtype: str | None = None, metadata=None):
+    """megablox tgmm's traffic from its index maps over its visit list (`metadata`, default
+    tgmm_metadata's); every step multiplies a whole (tk, tm) x (tm, tn) block (rows of other
+    groups masked). Returns (KernelCost, info) with its visit list's `group_runs` (the output
+    tiles it zeroes and stores: one per run of visits to a group, per (N tile, K tile))."""
     tm, tk, tn = tiling
-    metadata = tgmm_metadata(shape.group_sizes, shape.m, tm)
+    if metadata is None:
+        metadata = tgmm_metadata(shape.group_sizes, shape.m, tm)
     grid, ops = tgmm_operands(shape, tiling, metadata, out_dtype)
     p = pipeline_bytes(grid, ops)
     group_ids = metadata[0][: metadata[2]]

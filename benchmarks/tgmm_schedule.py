@@ -110,8 +110,8 @@ def _ours_work(shape, gen: str, tiles) -> tuple:
 def _megablox_work(shape, tiles) -> tuple:
     from blockspec_model import step_copies
 
-    cost, info = anchors.tgmm_cost(shape, tuple(tiles))
     metadata = anchors.tgmm_metadata(shape.group_sizes, shape.m, tiles[0])
+    cost, info = anchors.tgmm_cost(shape, tuple(tiles), metadata=metadata)
     reads, writes = step_copies(*anchors.tgmm_operands(shape, tuple(tiles), metadata))
     ones = np.ones(reads.shape[0])
     tm, tk, tn = tiles

@@ -561,6 +561,13 @@ def representative_group_sizes(m: int, num_groups: int) -> np.ndarray:
     return sizes
 
 
+def _block_changed(*index):
+    """Per grid step, whether a block indexed by `index` (one array per block coordinate, in
+    grid order) differs from the previous step's: what the pipeline copies (gmm_step_work,
+    tgmm_step_work)."""
+    return np.r_[True, np.any([np.diff(a) != 0 for a in index], axis=0)]
+
+
 def gmm_step_work(
     wl, k, n, tm, tk, tn, unit, lhs_bytes, rhs_bytes, out_bytes, gate_layout=None, *,
     prefetch_runs=False,
@@ -588,16 +595,13 @@ def gmm_step_work(
     j = np.tile(np.repeat(np.arange(L), kt), nt)
     kb = np.where(wl["KFIX"][j] != 0, kt - 1, np.tile(np.arange(kt), nt * L))
 
-    def changed(*idx):  # a block is copied when its index differs from the previous step's
-        return np.r_[True, np.any([np.diff(a) != 0 for a in idx], axis=0)]
-
     n_rhs, cols = _weight_blocks(tn, gate_layout)
-    weights = changed(wl["GROUP"][j], kb, nb) * float(n_rhs * tk * cols * rhs_bytes)
+    weights = _block_changed(wl["GROUP"][j], kb, nb) * float(n_rhs * tk * cols * rhs_bytes)
     if prefetch_runs:
         assert kt == 1, "a run ahead needs one K block"
         weights = _copied_a_run_ahead(weights, rows[j].astype(float))
-    reads = changed(wl["TILE"][j], kb) * float(tm * tk * lhs_bytes) + weights
-    writes = np.r_[changed(wl["OUT"][j], nb)[1:], True] * float(tm * tn * out_bytes)
+    reads = _block_changed(wl["TILE"][j], kb) * float(tm * tk * lhs_bytes) + weights
+    writes = np.r_[_block_changed(wl["OUT"][j], nb)[1:], True] * float(tm * tn * out_bytes)
     return {
         "full": full[j].astype(float),
         "tail": tail[j].astype(float),
@@ -893,14 +897,10 @@ def tgmm_step_work(wl, k, n, tm, tk, tn, unit, lhs_bytes, dout_bytes, out_bytes,
     nb = np.tile(np.repeat(np.arange(nt), L), kt)
     j = np.tile(np.arange(L), kt * nt)
 
-    def changed(*idx):  # a block is copied when its index differs from the previous step's
-        return np.r_[True, np.any([np.diff(a) != 0 for a in idx], axis=0)]
-
     tile = wl["TILE"][j]
-    reads = changed(tile, kb) * float(tm * tk * lhs_bytes) + changed(tile, nb) * float(
-        tm * tn * dout_bytes
-    )
-    writes = np.r_[changed(wl["OUT"][j], kb, nb)[1:], True] * float(tk * tn * out_bytes)
+    lhs = _block_changed(tile, kb) * float(tm * tk * lhs_bytes)
+    reads = lhs + _block_changed(tile, nb) * float(tm * tn * dout_bytes)
+    writes = np.r_[_block_changed(wl["OUT"][j], kb, nb)[1:], True] * float(tk * tn * out_bytes)
     return {
         "full": full[j].astype(float),
         "tail": tail[j].astype(float),
