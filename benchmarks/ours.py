@@ -228,9 +228,12 @@ def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=Fal
 
 def tgmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None) -> dict:
     """`gmm_trips` for a tgmm call (tiles `t`): full row windows (the hot loop's iterations, one
-    per column chunk) and tail windows (one bucket region each, `chunks` runs) over every (K
-    tile, N tile), and each grid step's work (tiling.tgmm_step_work: its windows, MXU rows,
-    copies in and write-backs)."""
+    per column chunk) and tail windows (one run of their bucket's region per column chunk: the
+    kernel emits one region per bucket, in bucket order, and a 16-row bucket's region is a
+    quarter of a 512-row one's) over every (K tile, N tile); the empty groups' zero-fills (the
+    region before the windows, run only by an empty group's item: `output_tiles`, not every
+    step); and each grid step's work (tiling.tgmm_step_work: its windows, MXU rows, copies in
+    and write-backs)."""
     T = mod.tiling
     gen = T.get_generation(generation)
     unit = T.row_unit(dtype, dtype)
@@ -238,12 +241,17 @@ def tgmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None) -> dict:
     chunks = t.tn // T.window_cols(t.tk, t.tn, gen, t.tm, unit)
     isz = np.dtype(dtype).itemsize
     w = T.tgmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz, gen.mxu_size)
+    buckets = len(T.bucket_sizes(t.tm, unit))
+    side = (w["bucket"][:, None] == np.arange(buckets)[None, :]) * float(chunks)
+    flags = wl["FLAGS"]
+    empty = int((((flags & T.F_FIRST) != 0) & ((flags & T.F_COMPUTE) == 0)).sum())
     return {
         "hot_iterations": float(w["full"].sum() * chunks),
-        "side_region_runs": float(w["tail"].sum() * chunks),
+        "side_region_runs": side.sum(axis=0).tolist(),
+        "output_tiles": float(empty * -(-k // t.tk) * -(-n // t.tn)),
         "step_work": {
             "hot": w["full"] * chunks,
-            "side": w["tail"] * chunks,
+            "side": side,
             "mxu": w["rows"],
             "reads": w["reads"],
             "writes": w["writes"],

@@ -325,6 +325,9 @@ TRAINING_FILES = (
     "v5e_train_tgmm_step_profile.json",
     # the same tgmm tiles again beside megablox's 128-row tgmm (outputs compared), one session
     "v5e_train_tgmm_step_profile_checked.json",
+    # tgmm at the 16384-token shapes (`--tokens 16384`), ours beside megablox's both tilings
+    "v5e_train_tgmm_t16384.json",
+    "v5e_train_tgmm_deepseek_t16384.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -399,7 +402,7 @@ def training_markdown(results: dict, files=TRAINING_FILES) -> list[str]:
         if kind == "flash_attention" and all((shape, i) in fwd for i in _TRAIN_IMPLS[:2]):
             ob, sb = (got[i] - fwd[(shape, i)] for i in _TRAIN_IMPLS[:2])
             bwd = f"{_sig(ob)} / {_sig(sb)} ({ob / sb:.2f}x)"
-        ours_cell = _sig(got["ours"]) if got["ours"] is not None else "-"
+        ours_cell = _sig(got["ours"]) if got["ours"] is not None else errors.get("ours", "-")
         if pass_name == "gmm_then_xla_silu":
             ours_cell = f"{_sig(ours_v)} fused ({ours_cell} gmm + XLA)" if ours_v else ours_cell
         out.append(f"| {kind} | {shape} | {label} | {ours_cell} | {cells} | {ratio} | {bwd} |")
@@ -446,6 +449,8 @@ TILE_SWEEPS = (
     # pair ran out of the chip's HBM in the sweep's inputs and was left out; the named row timed it)
     "v5e_gmm_tile_sweep_vmem_model.json",
     "v5e_gmm_tile_sweep_vmem_model2.json",
+    # tgmm (the weight gradient) at 16384 tokens: 256-row tiles against the picks
+    "v5e_tgmm_tile_sweep_t16384.json",
 )
 
 
@@ -460,6 +465,8 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
     table = {}  # (kernel, shape) -> {tiles: row}
     for d in docs:
         kernel = d.get("kernel", "ragged_dot")
+        if d.get("pass", "gmm") != "gmm":  # the same shapes' tgmm sweeps: a table of their own
+            kernel = f"{kernel} {d['pass']}"
         for r in d["rows"]:
             runs = table.setdefault((kernel, r["shape"]), {})
             if r["kernel_choice"]:
@@ -471,7 +478,8 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
         "### Our kernels at other tiles on the chip",
         "",
         f"`benchmarks/tile_sweep.py` on {m['device_kind']} ({m['generation']}), jax {m['jax']},"
-        f" {m['date']}: the gmm at other row tiles (tm) than its own, the flash forward at "
+        f" {m['date']}: the gmm and the tgmm (`--pass tgmm`, 16384 tokens) at other row tiles "
+        "(tm) than their own, the flash forward at "
         "Flux-dev's 4608 tokens (no power-of-two block divides them; the named row's op, its "
         "XLA pads included) and with kv blocks past 2048 keys (explicit tiles get the budget "
         "model's VMEM limit). Tiles: (tm, tk, tn) for the gmm, (block_q, block_q_compute, "

@@ -315,6 +315,9 @@ def work_model_inputs(
             side_region_mean_bundles=(
                 sum(side_bundles) / len(side_bundles) if side_bundles else 0.0
             ),
+            # each side region's bundles, program order: what a kernel that knows which of them
+            # each run takes (a tail window's bucket) charges per region (`side_region_runs`)
+            side_region_bundles=side_bundles,
         )
     return out
 
@@ -482,7 +485,8 @@ def scheduled_from_work(
 
     A kernel whose work list says exactly how many hot iterations run (`hot_iterations`) and how
     many times one of its other MXU regions runs (`side_region_runs`: tail windows, masked edge
-    tiles, each charged the mean bundles of those regions) passes them instead of
+    tiles, each charged the mean bundles of those regions, or one count per region in program
+    order, each charged its own bundles: a tgmm tail's bucket) passes them instead of
     `flops_per_hot_iteration`; without them every FLOP is charged at the hot loop's rate.
 
     A kernel whose hot loop is the grid loop and whose steps choose one of several MXU paths
@@ -523,9 +527,9 @@ def scheduled_from_work(
     A kernel whose grid steps differ in their work (a gmm's items: a new expert's weight block
     for a few rows, then a full window on resident weights) passes `step_work`, per grid step in
     pipeline order: "hot" (hot-loop iterations; for a grid-loop hot loop, > 0 marks a busy
-    step), "side" (side-region runs; optional), "mxu" (MXU FLOPs, any scale) and "reads" /
-    "writes" (the bytes copied in for the step / written back after it,
-    `blockspec_model.step_copies`). The call's pooled bundles, MXU floor and HBM bytes (the
+    step), "side" (side-region runs, or runs per side region as `side_region_runs` takes them;
+    optional), "mxu" (MXU FLOPs, any scale) and "reads" / "writes" (the bytes copied in for the
+    step / written back after it, `blockspec_model.step_copies`). The call's pooled bundles, MXU floor and HBM bytes (the
     totals above) are then spread over the steps by those weights and overlapped per step as
     the pipeline does: the DMA of step i + 1's inputs and of step i - 1's outputs runs under
     step i's compute, the first step's inputs and the last step's outputs are exposed. Without
@@ -638,7 +642,7 @@ def _call_bundles(
     grid_steps: float,
     flops_per_hot_iteration: float | None = None,
     hot_iterations: float | None = None,
-    side_region_runs: float | None = None,
+    side_region_runs: float | Sequence[float] | None = None,
     branch_runs: Sequence[float] | None = None,
     branch_pushes: Sequence[float] | None = None,
     output_tiles: float | None = None,
@@ -735,10 +739,28 @@ def _call_bundles(
             grid_steps * per_step
             + once
             + iterations * model["hot_bundles"]
-            + (side_region_runs or 0.0) * model.get("side_region_mean_bundles", 0.0)
+            + _side_bundles(model, side_region_runs)
         )
     bundles += block
     return bundles, iterations, loop_bundles, block
+
+
+def _side_bundles(model: dict, runs) -> float:
+    """Bundles of the side regions' runs: `runs` a count charged at the regions' mean, or one
+    count per side region (program order: a tail window's bucket) charged at each region's own
+    bundles (`side_region_bundles`, recorded since the models of benchmarks/tgmm_schedule.py)."""
+    if runs is None:
+        return 0.0
+    if np.ndim(runs) == 0:
+        return float(runs) * model.get("side_region_mean_bundles", 0.0)
+    sizes = model.get("side_region_bundles")
+    if sizes is None or len(sizes) != len(runs):
+        raise ValueError(
+            f"side_region_runs has {len(runs)} entries; the schedule model has "
+            f"{'no per-region sizes' if sizes is None else f'{len(sizes)} side regions'}: "
+            "pass one count, or recompile the row"
+        )
+    return float(np.dot(np.asarray(runs, float), np.asarray(sizes, float)))
 
 
 def _overlapped_per_step(
@@ -756,8 +778,14 @@ def _overlapped_per_step(
     hot = np.asarray(step_work["hot"], float)
     n = hot.shape[0]
     side = np.asarray(step_work.get("side", np.zeros(n)), float)
+    # "side" per step, or per step and side region (`side_region_runs` per region): in bundles
+    side_bundles = (
+        side * model.get("side_region_mean_bundles", 0.0)
+        if side.ndim == 1
+        else np.array([_side_bundles(model, runs) for runs in side])
+    )
     arrays = {
-        "side": side,
+        "side": side_bundles,
         "streams": np.asarray(step_work.get("streams", np.zeros(n)), float),
         **{k: np.asarray(step_work[k], float) for k in ("mxu", "reads", "writes")},
     }
@@ -772,11 +800,7 @@ def _overlapped_per_step(
     elif model.get("hot_is_grid"):
         bundles = np.where(hot > 0, model["step_bundles"], model["idle_step_bundles"])
     else:
-        bundles = (
-            model["per_step_overhead_bundles"]
-            + hot * model["hot_bundles"]
-            + side * model.get("side_region_mean_bundles", 0.0)
-        )
+        bundles = model["per_step_overhead_bundles"] + hot * model["hot_bundles"] + side_bundles
     share = lambda a: a / a.sum() if a.sum() > 0 else np.full(n, 1.0 / n)  # noqa: E731
     compute = np.maximum(share(bundles) * t_b, share(arrays["mxu"]) * t_mxu)
     moved = arrays["reads"].sum() + arrays["writes"].sum() + arrays["streams"].sum()

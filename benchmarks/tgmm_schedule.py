@@ -3,15 +3,17 @@
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/tgmm_schedule.py [--generation v5e v6e tpu7x]
         [--shape NAME ...] [--tiles TM,TK,TN ...] [--jobs 2] [--write]
 
-For each ragged shape the training passes are timed at (training_timing.py: the named shapes at
-4096 tokens) and each generation, it compiles deviceless with libtpu's LLO dump on
-(schedule_rows.compiled_summary, one subprocess per compile) our `kernel.tgmm` at the tiles the
-tile search picks (and at `--tiles`, to compare tilings) and megablox's tgmm at the two tilings
-training_timing.py times it at, and turns each call's closed-form work into a scheduled time with
-the same model as the forward rows (schedule_model.scheduled_from_work):
+For each named ragged shape at 4096 and 16384 tokens (`TOKENS`; training_timing.py times the
+4096-token ones by default, `--tokens 16384` the others) and each generation, it compiles
+deviceless with libtpu's LLO dump on (schedule_rows.compiled_summary, one subprocess per compile)
+our `kernel.tgmm` at the tiles the tile search picks (and at `--tiles`, to compare tilings) and
+megablox's tgmm at the two tilings training_timing.py times it at, and turns each call's
+closed-form work into a scheduled time with the same model as the forward rows
+(schedule_model.scheduled_from_work):
 
 - ours: the work list's full windows (the hot loop, one iteration per column chunk) and tail
-  windows (one bucket region each) over every (K tile, N tile), with DMA and compute overlapped
+  windows (each charged its own bucket's region) over every (K tile, N tile), the zero-fill of
+  an empty group's output block only on that group's items, with DMA and compute overlapped
   grid step by grid step (ours.tgmm_trips; tiling.tgmm_step_work, what the tile ranking's step
   profile reads too); HBM bytes and grid steps from tiling.estimate_cost;
 - megablox: one whole (tk, tm) x (tm, tn) block per grid step over its visit list (empty groups
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,18 +46,24 @@ HERE = Path(__file__).resolve().parent
 CACHE = HERE / "results" / "tgmm_schedule_cache.json"
 RESULTS = HERE / "results" / "tgmm_schedule.json"
 GENS = ("v5e", "v6e", "tpu7x")
+# The named ragged shapes' token counts the rows cover: the training passes' (4096, what
+# training_timing.py times by default) and the long batches' (16384).
+TOKENS = (4096, 16384)
 
 
 def _shapes(names=None):
     import training_timing
 
-    named = training_timing._named("ragged_dot")
+    named = [s for t in TOKENS for s in training_timing._named("ragged_dot", t)]
     return [s for s in named if not names or s.name in names]
 
 
 def _key(impl: str, shape, gen: str, tiles) -> str:
     source = schedule_rows._source_hash("ours" if impl == "ours" else impl, "ragged_dot")
     return f"{impl}|{shape.name}|{gen}|{'x'.join(map(str, tiles))}|{source}"
+
+
+_LOWERING = threading.Lock()
 
 
 def compiled(impl: str, shape, gen: str, tiles, key: str | None = None) -> dict:
@@ -65,13 +74,18 @@ def compiled(impl: str, shape, gen: str, tiles, key: str | None = None) -> dict:
 
     key = key or _key(impl, shape, gen, tiles)
     cache = schedule_rows._load_cache(CACHE)
-    if key in cache:
+    if key in cache and _current(impl, cache[key]):
         return cache[key]
     name = "tgmm_tiles" if impl == "ours" else "megablox_tgmm"
-    lowered = getattr(schedule_targets, f"lower_{name}")(gen, shape.name, list(tiles))
+    with _LOWERING:  # the first lowering per process sets up the TPU topology: not thread-safe
+        lowered = getattr(schedule_targets, f"lower_{name}")(gen, shape.name, list(tiles))
     program = schedule_rows.lowered_fingerprint(lowered)
     call = key.rsplit("|", 1)[0] + "|"
-    same = [e for k, e in cache.items() if k.startswith(call) and e.get("_program") == program]
+    same = [
+        e
+        for k, e in cache.items()
+        if k.startswith(call) and e.get("_program") == program and _current(impl, e)
+    ]
     if same:
         schedule_rows._save_cache({key: same[0]}, CACHE)
         return same[0]
@@ -86,6 +100,14 @@ def compiled(impl: str, shape, gen: str, tiles, key: str | None = None) -> dict:
     if not entry.get("error", "").startswith("Command '"):  # a timeout says nothing: not cached
         schedule_rows._save_cache({key: entry}, CACHE)
     return entry
+
+
+def _current(impl: str, entry: dict) -> bool:
+    """Whether a cached compile holds what its row reads: ours charges each tail window its
+    bucket's region (`side_region_bundles`, recorded since 2026-12-06); a model read before
+    that is compiled again."""
+    model = entry.get("_model")
+    return impl != "ours" or model is None or "side_region_bundles" in model
 
 
 def _ours_work(shape, gen: str, tiles) -> tuple:

@@ -1,5 +1,5 @@
-"""Our gmm or flash forward at several tilings of one named shape, timed on a TPU chip beside the
-tiling the kernel picks itself: does the schedule-ranked choice hold on the chip?
+"""Our gmm, tgmm or flash forward at several tilings of one named shape, timed on a TPU chip beside
+the tiling the kernel picks itself: does the schedule-ranked choice hold on the chip?
 
 On a TPU VM, from the repository root with tests/, scripts/, torch-ext/ and benchmarks/ on
 PYTHONPATH (as for device_timing.py):
@@ -10,14 +10,17 @@ PYTHONPATH (as for device_timing.py):
         --tiles 2048,512,2048,256 --out sweep.json
     python benchmarks/tile_sweep.py --shape qwen3_30b_a3b_down_t16384 \\
         --shape mixtral_8x7b_down_t16384 --vary tm=512,2048 --out sweep.json
+    python benchmarks/tile_sweep.py --pass tgmm --shape qwen3_30b_a3b_down_t16384 \\
+        --vary tm=256,1024 --out sweep.json
 
-Tiles: tm,tk,tn for the gmm; block_q,block_q_compute,block_kv,block_kv_compute for the flash
+Tiles: tm,tk,tn for the gmm and the tgmm (`--pass tgmm`: x [M, K], dy [M, N] -> [G, K, N], as
+training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute for the flash
 forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
-the gmm's tilings from the compiled schedule instead (no chip). `--vary FIELD=V1,V2`
-times, per shape, the kernel's own tiling with that one field changed (FIELDS names them), so
-one sweep covers shapes whose own tilings differ. Every tiling is timed
-like a named row (device_timing.time_call); `--interpret` runs a small shape in TPU interpret
-mode (the plumbing, on a CPU).
+the gmm's or tgmm's tilings from the compiled schedule instead (no chip; the tgmm's through
+benchmarks/tgmm_schedule.py's rows). `--vary FIELD=V1,V2` times, per shape, the kernel's own
+tiling with that one field changed (FIELDS names them), so one sweep covers shapes whose own
+tilings differ. Every tiling is timed like a named row (device_timing.time_call);
+`--interpret` runs a small shape in TPU interpret mode (the plumbing, on a CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import shapes as shapes_mod
+import tgmm_schedule
 from device_timing import _device_info, case_record, timed
 
 SMALL = {
@@ -45,11 +49,11 @@ FIELDS = {
 }
 
 
-def _tiles(adapter, kind, values):
-    """A Tiles / GmmTiling from the command line's comma-separated values."""
+def _tiles(adapter, kind, values, pass_name="gmm"):
+    """A Tiles / GmmTiling / TgmmTiling from the command line's comma-separated values."""
     tiling = adapter.mod.tiling
     if kind == "ragged_dot":
-        return tiling.GmmTiling(*values)
+        return (tiling.TgmmTiling if pass_name == "tgmm" else tiling.GmmTiling)(*values)
     bq, bqc, bk, bkc = values
     return tiling.backward_tiles(bq, bqc, bk, bkc, False)  # forward only: its fields
 
@@ -80,18 +84,35 @@ def _variants(own: list, names, vary: list) -> list:
 def _sweep(adapter, args, shape, gen):
     """(tiles, record) for each tiling of `shape` the command line asks for: the kernel's own
     choice first, then `--tiles`, then `--vary`'s changes of the own tiling."""
-    pick = adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles
-    own = pick(shape, gen)
+    if args.pass_name == "tgmm":
+        own = adapter.mod.tiling.TgmmTiling(*tgmm_schedule.default_tiles(shape, gen))
+    else:
+        own = (adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles)(shape, gen)
     tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
     tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
     for t in tilings:
-        tiles = own if t is None else _tiles(adapter, args.kernel, t)
+        tiles = own if t is None else _tiles(adapter, args.kernel, t, args.pass_name)
         rec = {
             "shape": shape.name,
             "tiles": _fields(args.kernel, tiles),
             "kernel_choice": t is None,
         }
         yield tiles, rec
+
+
+def _tgmm_call(adapter, shape, gen, tiles):
+    """(fn, args) of our tgmm at `shape` (x [M, K], dy [M, N], the shape's routing) and `tiles`,
+    as training_timing.py times the weight gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(shape.dtype)
+    key = jax.random.key(5)
+    x = jax.random.normal(key, (shape.m, shape.k), dt)
+    dy = jax.random.normal(jax.random.fold_in(key, 2), (shape.m, shape.n), dt)
+    gs = jnp.asarray(shape.group_sizes, jnp.int32)
+    tgmm = adapter.mod.kernel.tgmm
+    return (lambda x, dy, gs: tgmm(x, dy, gs, tiling=tiles, generation=gen)), (x, dy, gs)
 
 
 def _scheduled(args) -> dict:
@@ -106,10 +127,22 @@ def _scheduled(args) -> dict:
 
     adapter, gen = ours.ADAPTERS[args.kernel], args.scheduled  # (no chip: any packages)
     named = {s.name: s for s in shapes_mod.NAMED[args.kernel]}
-    doc = {"meta": {"generation": gen, "scheduled": True}, "kernel": args.kernel, "rows": []}
+    doc = {
+        "meta": {"generation": gen, "scheduled": True},
+        "kernel": args.kernel,
+        "pass": args.pass_name,
+        "rows": [],
+    }
     for shape in (named[s] for s in args.shape):
         for tiles, rec in _sweep(adapter, args, shape, gen):
             fields = rec["tiles"]
+            if args.pass_name == "tgmm":  # tgmm_schedule's row: its cache, its trip counts
+                row = tgmm_schedule.row("ours", shape, gen, tuple(fields))
+                rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
+                print(json.dumps(rec), flush=True)
+                doc["rows"].append(rec)
+                args.out.write_text(json.dumps(doc, indent=1))
+                continue
             target = "schedule_targets:compile_gmm_tiles"
             summary = schedule_rows.compiled_summary(
                 args.kernel, "ours", target, {"shape": shape.name, "tiles": fields}, gen
@@ -136,6 +169,14 @@ def main(argv=None):
     p.add_argument(
         "--vary", action="append", default=[], help="FIELD=V1,V2: the own tiling, one field changed"
     )
+    p.add_argument(
+        "--pass",
+        dest="pass_name",
+        default="gmm",
+        choices=("gmm", "tgmm"),
+        help="ragged_dot: the forward gmm (default) or the weight gradient tgmm, whose own "
+        "tiling is the one benchmarks/tgmm_schedule.py rows",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shape, TPU interpret mode")
     p.add_argument(
@@ -145,6 +186,8 @@ def main(argv=None):
         "dump, benchmarks/schedule_model.py; the gmm only)",
     )
     args = p.parse_args(argv)
+    if args.pass_name == "tgmm" and args.kernel != "ragged_dot":
+        p.error("--pass tgmm: the ragged_dot kernel only")
     if args.scheduled:
         return _scheduled(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -162,12 +205,21 @@ def main(argv=None):
 
         chosen = [SMALL[args.kernel]]
         ctx = pltpu.force_tpu_interpret_mode()
-    doc = {"meta": _device_info(), "method": __doc__, "kernel": args.kernel, "rows": []}
+    doc = {
+        "meta": _device_info(),
+        "method": __doc__,
+        "kernel": args.kernel,
+        "pass": args.pass_name,
+        "rows": [],
+    }
     with ctx:
         for shape in chosen:
             for tiles, rec in _sweep(adapter, args, shape, gen):
                 with case_record(doc, rec, args.out, log):
-                    fn, fargs = adapter.call(shape, gen, tiles=tiles)
+                    if args.pass_name == "tgmm":
+                        fn, fargs = _tgmm_call(adapter, shape, gen, tiles)
+                    else:
+                        fn, fargs = adapter.call(shape, gen, tiles=tiles)
                     rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))
     return doc
 

@@ -273,11 +273,12 @@ def _rel_err(got, want) -> float:
     return err / max(scale, 1e-30)
 
 
-def _named(kind):
+def _named(kind, tokens=GMM_TOKENS):
+    """The named shapes of `kind` a training pass is timed at (ragged: at `tokens` tokens)."""
     if kind == "dense_matmul":
         return list(DENSE_SHAPES)
     if kind == "ragged_dot":
-        return [s for s in shapes_mod.NAMED[kind] if s.tokens == GMM_TOKENS]
+        return [s for s in shapes_mod.NAMED[kind] if s.tokens == tokens]
     return list(shapes_mod.NAMED[kind])
 
 
@@ -303,6 +304,12 @@ def main(argv=None):
         help="block_q,block_q_compute,block_kv,block_kv_compute,fused (0/1): ours at these "
         "tiles too (repeatable)",
     )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=GMM_TOKENS,
+        help=f"the grouped matmul's named shapes at this many tokens (default {GMM_TOKENS})",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shapes, TPU interpret mode")
     args = p.parse_args(argv)
@@ -327,7 +334,7 @@ def main(argv=None):
     first_out = {}  # (shape, what the pass computes): the first implementation's outputs
     with ctx:
         for kind in args.kernel or KINDS:
-            for shape in _small(kind) if args.interpret else _named(kind):
+            for shape in _small(kind) if args.interpret else _named(kind, args.tokens):
                 name = shape.name if hasattr(shape, "name") else "dense_{}x{}x{}".format(*shape)
                 if args.shape and name not in args.shape:
                     continue

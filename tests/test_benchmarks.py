@@ -228,6 +228,53 @@ def test_tgmm_schedule_rows_are_current():
         assert again["hbm_bytes"] == r["hbm_bytes"] and again["grid_steps"] == r["grid_steps"]
 
 
+def test_tgmm_rows_charge_each_tail_its_bucket_and_the_zero_fill_per_empty_group():
+    """Our tgmm's compiled grid step holds one tail region per bucket, in bucket order, and an
+    empty group's zero-fill (stores only, one per vreg of the (tk, tn) output block) right
+    before its windows; the rows charge each tail run its bucket's region and the zero-fill only
+    on empty groups' items (ours.tgmm_trips), not at the regions' mean and on every step."""
+    import kernel_loader
+    import ours
+    import schedule_model
+    import schedule_rows
+    import tgmm_schedule
+
+    T = kernel_loader.load_kernel("ragged_dot").tiling
+    rows = json.loads(tgmm_schedule.RESULTS.read_text())["rows"]
+    cache = schedule_rows._load_cache(tgmm_schedule.CACHE)
+    for r in rows:
+        if r["impl"] != "ours" or "error" in r:
+            continue
+        model = cache[r["cache_key"]]["_model"]
+        tm, tk, tn = r["tiles"]
+        buckets = T.bucket_sizes(tm, T.row_unit("bfloat16", "bfloat16"))
+        assert len(model["side_region_bundles"]) == len(buckets), r["cache_key"]
+        # region MXU pushes, program order: each bucket pushes at least as much as the smaller
+        side = [x for x in model["regions"] if x[2] and model["work"][0] <= x[0]][-len(buckets) :]
+        assert [x[1] - x[0] - 1 for x in side] == model["side_region_bundles"]
+        assert all(a[2] <= b[2] for a, b in zip(side, side[1:])), side
+        first = schedule_model.step_regions(model)["first"]
+        zero_fill = [x for x in model["regions"] if x[1] - x[0] - 1 == first]
+        # (a store or two may issue in the branch's delay slots, outside the region)
+        assert zero_fill and zero_fill[0][2] == 0, zero_fill
+        assert 0 <= tk * tn * 2 // 4096 - zero_fill[0][4] <= 4, zero_fill
+
+    pkg = kernel_loader.load_kernel("ragged_dot")
+    gs = np.asarray([300, 0, 128, 17, 0, 400], np.int32)
+    t = T.TgmmTiling(tm=128, tk=256, tn=512)
+    trips = ours.tgmm_trips(pkg, gs, 1000, 768, 1024, "bfloat16", t, "v5e")
+    unit = T.row_unit("bfloat16", "bfloat16")
+    wl = T._fields(
+        T.work_list(gs, m=1000, tm=128, buckets=T.bucket_sizes(128, unit), unit=unit, kind="tgmm")
+    )
+    chunks = 512 // T.window_cols(256, 512, T.get_generation("v5e"), 128, unit)
+    tails = ((wl["FLAGS"] & T.F_COMPUTE) != 0) & (wl["BUCKET"] >= 0)
+    runs = np.bincount(wl["BUCKET"][tails], minlength=len(T.bucket_sizes(128, unit)))
+    assert trips["side_region_runs"] == (runs * chunks * 3 * 2).tolist()
+    assert trips["output_tiles"] == 2 * 3 * 2  # two empty groups, 3 K tiles x 2 N tiles
+    assert trips["step_work"]["side"].sum(axis=0).tolist() == trips["side_region_runs"]
+
+
 def test_gmm_ranking_overlaps_each_steps_copies_with_its_compute():
     """The gmm tile ranking overlaps compute and copies grid step by grid step
     (tpu_generations.overlapped_step_seconds on tiling.gmm_step_profile) and, at equal bytes,
@@ -488,6 +535,24 @@ def test_tile_sweep_times_flash_at_given_tiles(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel_choice"] for r in rows] == [True, False]
     assert rows[1]["tiles"] == [384, 128, 384, 128]
+    assert all(r["measured_us"] > 0 for r in rows), rows
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tile_sweep_times_tgmm_at_its_own_and_other_row_tiles(tmp_path):
+    """`tile_sweep.py --pass tgmm` (torch unimportable, TPU interpret mode): the weight
+    gradient at the tiles tgmm_schedule.py rows (the kernel's own) and at `--vary`'s row tiles,
+    the pass recorded for report.py's table."""
+    out = tmp_path / "sweep.json"
+    args = ["--pass", "tgmm", "--shape", "qwen3_30b_a3b_down_t16384", "--interpret"]
+    args += ["--vary", "tm=256", "--out", str(out)]
+    _main_on_a_jax_only_machine("tile_sweep", args)
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["pass"] == "tgmm"
+    assert [r["kernel_choice"] for r in rows] == [True, False], rows
+    assert rows[1]["tiles"] == [256] + rows[0]["tiles"][1:]
     assert all(r["measured_us"] > 0 for r in rows), rows
 
 
