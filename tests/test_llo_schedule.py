@@ -112,6 +112,39 @@ def test_one_step_rule_bounds_each_step_by_its_fullest_unit():
     assert dma["scheduled_us"] == pytest.approx(500 + (10 + model["outside_bundles"]) * 1e-3)
 
 
+def test_side_regions_are_charged_per_region_where_the_runs_say_which():
+    """`side_region_runs` as one count per side region (a tgmm tail's bucket, program order):
+    each region's runs at its own bundles, in the call's total and in each step's share, where
+    one count charges the regions' mean; a model without per-region sizes refuses a list."""
+    import numpy as np
+
+    class Gen:  # one bundle per ns, no DMA or MXU floor, no fixed per-step cost
+        clock_hz, hbm_bytes_per_s, bf16_flops, step_overhead_s = 1e9, 1e30, 1e30, 0.0
+
+    base = {"outside_bundles": 0, "xla": [], "hot_is_grid": False, "hot_bundles": 50}
+    model = {**base, "per_step_overhead_bundles": 10, "side_region_mean_bundles": 200.0}
+    model["side_region_bundles"] = [100, 300]
+
+    def us(m, runs, **kw):
+        t = M.scheduled_from_work(
+            m, mxu_flops=0.0, grid_steps=2, hbm_bytes=0.0, generation=Gen, hot_iterations=1,
+            side_region_runs=runs, **kw,
+        )  # fmt: skip
+        return t["scheduled_us"] * 1e3
+
+    assert us(model, [2.0, 1.0]) == pytest.approx(2 * 10 + 50 + 2 * 100 + 300)
+    assert us(model, 3.0) == pytest.approx(2 * 10 + 50 + 3 * 200)  # the mean
+    # per step: step 0 runs the hot loop and a 300-bundle tail, step 1 two 100-bundle tails
+    side = np.array([[0.0, 1.0], [2.0, 0.0]])
+    zero = np.zeros(2)
+    work = {"hot": np.array([1.0, 0.0]), "side": side, "mxu": zero, "reads": zero, "writes": zero}
+    assert us(model, [2.0, 1.0], step_work=work) == pytest.approx(2 * 10 + 50 + 2 * 100 + 300)
+    with pytest.raises(ValueError, match="side_region_runs has 2 entries"):
+        us({**model, "side_region_bundles": None}, [2.0, 1.0])
+    with pytest.raises(ValueError, match="2 side regions"):
+        us(model, [1.0, 1.0, 1.0])
+
+
 def test_per_step_overlap_charges_steps_whose_work_does_not_overlap():
     """`step_work`: the call's totals spread over its steps and overlapped per step. A step
     whose DMA has no compute to hide under (a new weight block for a few rows) costs more than
