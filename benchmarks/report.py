@@ -449,8 +449,9 @@ TILE_SWEEPS = (
     # pair ran out of the chip's HBM in the sweep's inputs and was left out; the named row timed it)
     "v5e_gmm_tile_sweep_vmem_model.json",
     "v5e_gmm_tile_sweep_vmem_model2.json",
-    # tgmm (the weight gradient) at 16384 tokens: 256-row tiles against the picks
+    # tgmm (the weight gradient) at 16384 and 4096 tokens: other row tiles against the picks
     "v5e_tgmm_tile_sweep_t16384.json",
+    "v5e_tgmm_tile_sweep_t4096.json",
 )
 
 
@@ -478,7 +479,7 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
         "### Our kernels at other tiles on the chip",
         "",
         f"`benchmarks/tile_sweep.py` on {m['device_kind']} ({m['generation']}), jax {m['jax']},"
-        f" {m['date']}: the gmm and the tgmm (`--pass tgmm`, 16384 tokens) at other row tiles "
+        f" {m['date']}: the gmm and the tgmm (`--pass tgmm`) at other row tiles "
         "(tm) than their own, the flash forward at "
         "Flux-dev's 4608 tokens (no power-of-two block divides them; the named row's op, its "
         "XLA pads included) and with kv blocks past 2048 keys (explicit tiles get the budget "
