@@ -529,10 +529,11 @@ def scheduled_from_work(
     pipeline order: "hot" (hot-loop iterations; for a grid-loop hot loop, > 0 marks a busy
     step), "side" (side-region runs, or runs per side region as `side_region_runs` takes them;
     optional), "mxu" (MXU FLOPs, any scale) and "reads" / "writes" (the bytes copied in for the
-    step / written back after it, `blockspec_model.step_copies`). The call's pooled bundles, MXU floor and HBM bytes (the
-    totals above) are then spread over the steps by those weights and overlapped per step as
-    the pipeline does: the DMA of step i + 1's inputs and of step i - 1's outputs runs under
-    step i's compute, the first step's inputs and the last step's outputs are exposed. Without
+    step / written back after it, `blockspec_model.step_copies`). The call's pooled bundles, MXU
+    floor and HBM bytes (the totals above) are then spread over the steps by those weights and
+    overlapped per step as the pipeline does: the DMA of step i + 1's inputs and of step i - 1's
+    outputs runs under step i's compute, the first step's inputs and the last step's outputs are
+    exposed. Without
     it the call's work is pooled into one step (max of its totals), which is exact only when
     every step has the same mix: on a TPU v5e chip (15 named gmm cells) measured / scheduled
     was 0.94-1.43 for our gmm and 0.82-1.39 for megablox's 128-row tiles with the pooled rule,

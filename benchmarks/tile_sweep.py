@@ -101,29 +101,38 @@ def _sweep(adapter, args, shape, gen):
 
 
 def _tgmm_call(adapter, shape, gen, tiles):
-    """(fn, args) of our tgmm at `shape` (x [M, K], dy [M, N], the shape's routing) and `tiles`,
-    as training_timing.py times the weight gradient."""
-    import jax
-    import jax.numpy as jnp
+    """(fn, args) of our tgmm at `shape` and `tiles` on training_timing.py's inputs."""
+    import training_timing
 
-    dt = jnp.dtype(shape.dtype)
-    key = jax.random.key(5)
-    x = jax.random.normal(key, (shape.m, shape.k), dt)
-    dy = jax.random.normal(jax.random.fold_in(key, 2), (shape.m, shape.n), dt)
-    gs = jnp.asarray(shape.group_sizes, jnp.int32)
     tgmm = adapter.mod.kernel.tgmm
-    return (lambda x, dy, gs: tgmm(x, dy, gs, tiling=tiles, generation=gen)), (x, dy, gs)
+    fn = lambda x, dy, gs: tgmm(x, dy, gs, tiling=tiles, generation=gen)  # noqa: E731
+    return fn, training_timing.ragged_inputs(shape)
+
+
+def _scheduled_gmm(adapter, shape, gen, tiles) -> dict:
+    """The gmm at `tiles`, compiled deviceless and scheduled as its named row is."""
+    import schedule_rows
+
+    fields = _fields("ragged_dot", tiles)
+    target = "schedule_targets:compile_gmm_tiles"
+    args = {"shape": shape.name, "tiles": fields}
+    summary = schedule_rows.compiled_summary("ragged_dot", "ours", target, args, gen)
+    if "error" in summary:
+        return summary
+    cost, info = adapter.cost(shape, gen, tiles)
+    return schedule_rows.schedule_entry(
+        "ragged_dot", "ours", shape, gen, cost, info, summary=summary, tiles=tiles
+    )
 
 
 def _scheduled(args) -> dict:
     """`--scheduled GEN`: the sweep's tilings read from the compiled schedule instead of a chip
-    (`schedule_rows.compiled_summary` of `schedule_targets.compile_gmm_tiles`, timed by
-    `schedule_rows.schedule_entry` with the tiling's own work list and per-step copies): does
-    the schedule order the tilings as the chip does?"""
+    (the gmm: `schedule_rows.compiled_summary` of `schedule_targets.compile_gmm_tiles`, timed by
+    `schedule_rows.schedule_entry` with the tiling's own work list and per-step copies; the
+    tgmm: `tgmm_schedule.row`): does the schedule order the tilings as the chip does?"""
     if args.kernel != "ragged_dot":
-        raise SystemExit("--scheduled: the gmm only (schedule_targets.compile_gmm_tiles)")
+        raise SystemExit("--scheduled: the ragged_dot kernel only (gmm or tgmm)")
     import ours
-    import schedule_rows
 
     adapter, gen = ours.ADAPTERS[args.kernel], args.scheduled  # (no chip: any packages)
     named = {s.name: s for s in shapes_mod.NAMED[args.kernel]}
@@ -135,26 +144,11 @@ def _scheduled(args) -> dict:
     }
     for shape in (named[s] for s in args.shape):
         for tiles, rec in _sweep(adapter, args, shape, gen):
-            fields = rec["tiles"]
             if args.pass_name == "tgmm":  # tgmm_schedule's row: its cache, its trip counts
-                row = tgmm_schedule.row("ours", shape, gen, tuple(fields))
-                rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
-                print(json.dumps(rec), flush=True)
-                doc["rows"].append(rec)
-                args.out.write_text(json.dumps(doc, indent=1))
-                continue
-            target = "schedule_targets:compile_gmm_tiles"
-            summary = schedule_rows.compiled_summary(
-                args.kernel, "ours", target, {"shape": shape.name, "tiles": fields}, gen
-            )
-            if "error" in summary:
-                rec["error"] = summary["error"]
+                row = tgmm_schedule.row("ours", shape, gen, tuple(rec["tiles"]))
             else:
-                cost, info = adapter.cost(shape, gen, tiles)
-                e = schedule_rows.schedule_entry(
-                    args.kernel, "ours", shape, gen, cost, info, summary=summary, tiles=tiles
-                )
-                rec.update(scheduled_us=e["scheduled_us"], bound=e["bound"])
+                row = _scheduled_gmm(adapter, shape, gen, tiles)
+            rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
             print(json.dumps(rec), flush=True)
             doc["rows"].append(rec)
             args.out.write_text(json.dumps(doc, indent=1))
@@ -183,7 +177,7 @@ def main(argv=None):
         "--scheduled",
         metavar="GENERATION",
         help="no chip: each tiling's scheduled time for GENERATION (deviceless compile and LLO "
-        "dump, benchmarks/schedule_model.py; the gmm only)",
+        "dump, benchmarks/schedule_model.py; the gmm or, with --pass tgmm, the tgmm)",
     )
     args = p.parse_args(argv)
     if args.pass_name == "tgmm" and args.kernel != "ragged_dot":

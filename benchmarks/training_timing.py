@@ -71,6 +71,22 @@ def _megablox_tilings(shape, pass_name):
     }
 
 
+INPUT_SEED = 5
+
+
+def ragged_inputs(shape):
+    """(x [M, K], dy [M, N], group_sizes) of the grouped matmul's passes at `shape`, seeded
+    (the weights, `gmm_cases`' w(), come from the same key)."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(shape.dtype)
+    key = jax.random.key(INPUT_SEED)
+    x = jax.random.normal(key, (shape.m, shape.k), dt)
+    dy = jax.random.normal(jax.random.fold_in(key, 2), (shape.m, shape.n), dt)
+    return x, dy, jnp.asarray(shape.group_sizes, jnp.int32)
+
+
 def gmm_cases(shape, generation, small=False):
     """(impl, pass, fn, args, tiling) of the grouped matmul's training passes at `shape`."""
     import jax
@@ -82,14 +98,12 @@ def gmm_cases(shape, generation, small=False):
     kernel = ours.load("ragged_dot").kernel
     mg = anchors._megablox()
     dt = jnp.dtype(shape.dtype)
-    key = jax.random.key(5)
-    x = jax.random.normal(key, (shape.m, shape.k), dt)
+    x, dy, gs = ragged_inputs(shape)
 
     def w():  # made per case: two copies of DeepSeek-V3-like's 7.5 GB weights do not fit
-        return jax.random.normal(jax.random.fold_in(key, 1), (shape.experts, shape.k, shape.n), dt)
+        key = jax.random.fold_in(jax.random.key(INPUT_SEED), 1)
+        return jax.random.normal(key, (shape.experts, shape.k, shape.n), dt)
 
-    dy = jax.random.normal(jax.random.fold_in(key, 2), (shape.m, shape.n), dt)
-    gs = jnp.asarray(shape.group_sizes, jnp.int32)
     ours_kw = dict(generation=generation)
 
     yield (
