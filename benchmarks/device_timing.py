@@ -593,6 +593,12 @@ MEASURED_FILES = (
     # controls with the final tiling code; v5e_ragged_check_vmem_model.json: the checks
     "v5e_ragged_ours_vmem_model.json",
     "v5e_ragged_ours_vmem_model_final.json",
+    # the flash forward writing a q block out 128 rows of a head at a time (kernel.py
+    # _normalise_and_store; it was one op on the whole block after another, each through VMEM),
+    # every named row at unchanged tiles; v5e_flash_before_chunked_finish.json is the previous
+    # kernel timed in the same session, v5e_flash_check_chunked_finish.json the new kernel
+    # against the f32 references (forward and, through its lse, backward)
+    "v5e_flash_chunked_finish.json",
 )
 
 

@@ -535,13 +535,14 @@ class FlashAttention(Adapter):
             _random(22, kvs, shape.dtype),
         )
 
-    def compile_args(self, shape, generation):
+    def compile_args(self, shape, generation, tiles=None):
+        """(fn, avals) of the named row's forward at the kernel's own tiles (or `tiles`)."""
         import jax.numpy as jnp
 
         dt = jnp.dtype(shape.dtype)
         qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
         kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
-        return self._fn(shape, generation), [(qs, dt), (kvs, dt), (kvs, dt)]
+        return self._fn(shape, generation, tiles), [(qs, dt), (kvs, dt), (kvs, dt)]
 
 
 class PagedAttention(Adapter):

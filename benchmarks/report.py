@@ -328,6 +328,9 @@ TRAINING_FILES = (
     # tgmm at the 16384-token shapes (`--tokens 16384`), ours beside megablox's both tilings
     "v5e_train_tgmm_t16384.json",
     "v5e_train_tgmm_deepseek_t16384.json",
+    # ours' flash forward + backward after the forward's write-out went to row chunks (its
+    # previous forward and splash in the files above; the forward alone in MEASURED_FILES)
+    "v5e_train_flash_chunked_finish.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

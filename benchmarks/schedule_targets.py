@@ -195,6 +195,18 @@ def compile_gmm_tiles(generation: str, shape: str, tiles=None):
     return _lowered(generation, fn, avals).compile()
 
 
+def compile_flash_tiles(generation: str, shape: str, tiles):
+    """Our flash forward, the named attention row's program, at explicit tiles (block_q,
+    block_q_compute, block_kv, block_kv_compute): what `tile_sweep.py --kernel flash_attention`
+    times on a chip, compiled deviceless so its schedule can be read beside the chip's time."""
+    import ours
+
+    adapter = ours.ADAPTERS["flash_attention"]
+    t = adapter.mod.tiling.backward_tiles(*tiles, False)  # forward only: its fields
+    fn, avals = adapter.compile_args(_shape("flash_attention", shape), generation, t)
+    return _lowered(generation, fn, avals).compile()
+
+
 def compile_dlhs(generation: str, shape: str):
     """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
     with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's

@@ -16,7 +16,7 @@ PYTHONPATH (as for device_timing.py):
 Tiles: tm,tk,tn for the gmm and the tgmm (`--pass tgmm`: x [M, K], dy [M, N] -> [G, K, N], as
 training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute for the flash
 forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
-the gmm's or tgmm's tilings from the compiled schedule instead (no chip; the tgmm's through
+the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the tgmm's through
 benchmarks/tgmm_schedule.py's rows). `--vary FIELD=V1,V2` times, per shape, the kernel's own
 tiling with that one field changed (FIELDS names them), so one sweep covers shapes whose own
 tilings differ. Every tiling is timed like a named row (device_timing.time_call);
@@ -109,29 +109,34 @@ def _tgmm_call(adapter, shape, gen, tiles):
     return fn, training_timing.ragged_inputs(shape)
 
 
-def _scheduled_gmm(adapter, shape, gen, tiles) -> dict:
-    """The gmm at `tiles`, compiled deviceless and scheduled as its named row is."""
+# The deviceless compile of each kernel's forward at explicit tiles (schedule_targets).
+SCHEDULED_TARGETS = {
+    "ragged_dot": "schedule_targets:compile_gmm_tiles",
+    "flash_attention": "schedule_targets:compile_flash_tiles",
+}
+
+
+def _scheduled_forward(adapter, kind, shape, gen, tiles) -> dict:
+    """The gmm or flash forward at `tiles`, compiled deviceless and scheduled as its named row
+    is (the tiling's own work list, trips and per-step copies)."""
     import schedule_rows
 
-    fields = _fields("ragged_dot", tiles)
-    target = "schedule_targets:compile_gmm_tiles"
-    args = {"shape": shape.name, "tiles": fields}
-    summary = schedule_rows.compiled_summary("ragged_dot", "ours", target, args, gen)
+    args = {"shape": shape.name, "tiles": _fields(kind, tiles)}
+    summary = schedule_rows.compiled_summary(kind, "ours", SCHEDULED_TARGETS[kind], args, gen)
     if "error" in summary:
         return summary
     cost, info = adapter.cost(shape, gen, tiles)
     return schedule_rows.schedule_entry(
-        "ragged_dot", "ours", shape, gen, cost, info, summary=summary, tiles=tiles
+        kind, "ours", shape, gen, cost, info, summary=summary, tiles=tiles
     )
 
 
 def _scheduled(args) -> dict:
     """`--scheduled GEN`: the sweep's tilings read from the compiled schedule instead of a chip
-    (the gmm: `schedule_rows.compiled_summary` of `schedule_targets.compile_gmm_tiles`, timed by
-    `schedule_rows.schedule_entry` with the tiling's own work list and per-step copies; the
-    tgmm: `tgmm_schedule.row`): does the schedule order the tilings as the chip does?"""
-    if args.kernel != "ragged_dot":
-        raise SystemExit("--scheduled: the ragged_dot kernel only (gmm or tgmm)")
+    (the gmm and the flash forward: `schedule_rows.compiled_summary` of their
+    SCHEDULED_TARGETS, timed by `schedule_rows.schedule_entry` with the tiling's own work list
+    and per-step copies; the tgmm: `tgmm_schedule.row`): does the schedule order the tilings
+    as the chip does?"""
     import ours
 
     adapter, gen = ours.ADAPTERS[args.kernel], args.scheduled  # (no chip: any packages)
@@ -147,7 +152,7 @@ def _scheduled(args) -> dict:
             if args.pass_name == "tgmm":  # tgmm_schedule's row: its cache, its trip counts
                 row = tgmm_schedule.row("ours", shape, gen, tuple(rec["tiles"]))
             else:
-                row = _scheduled_gmm(adapter, shape, gen, tiles)
+                row = _scheduled_forward(adapter, args.kernel, shape, gen, tiles)
             rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
             print(json.dumps(rec), flush=True)
             doc["rows"].append(rec)
@@ -177,7 +182,8 @@ def main(argv=None):
         "--scheduled",
         metavar="GENERATION",
         help="no chip: each tiling's scheduled time for GENERATION (deviceless compile and LLO "
-        "dump, benchmarks/schedule_model.py; the gmm or, with --pass tgmm, the tgmm)",
+        "dump, benchmarks/schedule_model.py; the gmm, the flash forward or, with --pass tgmm, "
+        "the tgmm)",
     )
     args = p.parse_args(argv)
     if args.pass_name == "tgmm" and args.kernel != "ragged_dot":

@@ -538,6 +538,31 @@ def test_tile_sweep_times_flash_at_given_tiles(tmp_path):
     assert all(r["measured_us"] > 0 for r in rows), rows
 
 
+@pytest.mark.compile
+@pytest.mark.timeout(300)
+def test_tile_sweep_schedules_flash_tilings_as_the_named_row(tmp_path):
+    """`tile_sweep.py --kernel flash_attention --scheduled v5e`: at the kernel's own tiles the
+    deviceless compile of schedule_targets.compile_flash_tiles is the named row's program, so
+    its scheduled time is the row's in results.json."""
+    import tile_sweep
+
+    out = tmp_path / "sweep.json"
+    tile_sweep.main(
+        ["--kernel", "flash_attention", "--shape", "flux_dev_joint4608", "--scheduled", "v5e"]
+        + ["--out", str(out)]
+    )
+    (got,) = json.loads(out.read_text())["rows"]
+    row = next(
+        r
+        for r in json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())[
+            "named"
+        ]["rows"]
+        if r["shape"] == "flux_dev_joint4608" and r["impl"] == "ours"
+    )
+    want = row["per_generation"]["v5e"]["scheduled"]["scheduled_us"]
+    assert got["kernel_choice"] and got["scheduled_us"] == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
 def test_tile_sweep_times_tgmm_at_its_own_and_other_row_tiles(tmp_path):

@@ -683,6 +683,46 @@ def test_choose_tiles_takes_long_kv_blocks_only_where_the_band_covers_every_key(
         assert c[2] <= 2048 or 4 * c[0] <= T.MAX_ROWS, c
 
 
+# q blocks of whole FINISH_ROWS chunks: the write-out's chunk loop (three chunks, not unrolled)
+# and its unrolled form (eight chunks, one loop iteration), with query rows that see no key
+# (causal, bottom-right: the first Sq - Sk rows) in the first chunks.
+WRITE_OUT = {
+    "three_chunks": T.Tiles(384, 128, 128, 128, 128, block_q_compute=128),
+    "eight_chunks": T.Tiles(1024, 128, 128, 128, 128, block_q_compute=128),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(WRITE_OUT))
+def test_write_out_in_row_chunks_matches_the_reference(name):
+    """o and lse of q blocks written FINISH_ROWS rows of a head at a time (kernel
+    _normalise_and_store): every chunk's rows in place for each of the G stacked heads, f32 at
+    the f32 tolerance (the Newton reciprocal included), unseen rows 0 with the sentinel lse."""
+    tiles = WRITE_OUT[name]
+    n_chunks = tiles.block_q // K.FINISH_ROWS
+    assert n_chunks == (3 if name == "three_chunks" else K.FINISH_UNROLL)
+    sq = tiles.block_q
+    q, k, v, s, qseg, kseg, cfg = _dense_case(
+        1, 4, 2, sq, sq - 200, 64, jnp.float32, True, (-1, -1), 0.0, False, False
+    )
+    fwd = jax.jit(functools.partial(K.flash_attention_fwd, tiles=tiles, interpret=True, **cfg))
+    o, lse = fwd(q, k, v)
+    _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=tiles, grads=False)
+    assert np.all(np.asarray(o)[:, :, :200] == 0)  # rows that see no key
+    assert np.all(np.asarray(lse)[:, :, :200] == K.BIG_LSE)
+    assert np.all(np.asarray(lse)[:, :, 200:] < 100.0)
+
+
+def test_newton_reciprocal_is_within_two_ulps_in_interpret_mode():
+    """benchmarks/reciprocal_probe.py's interpret-mode run: the Newton steps' own rounding only
+    (the chip's figure is in results/device/v5e_reciprocal_probe.json)."""
+    import reciprocal_probe
+
+    got = reciprocal_probe.probe(interpret=True)
+    assert got["newton_reciprocal"]["max_ulps"] <= 2
+    assert got["division"]["max_ulps"] == 0
+
+
 # -------------------------------------------------------------------------------------------------
 # TPU interpret mode: DMAs, semaphores and VMEM simulated; races, NaN memory and OOB reads raise
 # -------------------------------------------------------------------------------------------------
@@ -715,6 +755,21 @@ def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
         _check_dense(
             *_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True, False),
             tiles=tiles,
+            interpret=_tpu_params(),
+        )
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tpu_interpret_write_out_in_row_chunks():
+    """Two FINISH_ROWS chunks per q block in TPU interpret mode: race-free, no NaN from the
+    scratch's NaN fill, rows that see no key written as 0."""
+    tiles = T.Tiles(256, 128, 128, 128, 128, block_q_compute=128)
+    with tpu_interpreter.race_checked():
+        _check_dense(
+            *_dense_case(1, 2, 1, 256, 100, 64, jnp.float32, True, (-1, -1), 0.0, False, False),
+            tiles=tiles,
+            grads=False,
             interpret=_tpu_params(),
         )
 
