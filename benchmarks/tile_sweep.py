@@ -16,10 +16,10 @@ PYTHONPATH (as for device_timing.py):
 Tiles: tm,tk,tn for the gmm and the tgmm (`--pass tgmm`: x [M, K], dy [M, N] -> [G, K, N], as
 training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute for the flash
 forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
-the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the tgmm's through
-benchmarks/tgmm_schedule.py's rows). `--vary FIELD=V1,V2` times, per shape, the kernel's own
-tiling with that one field changed (FIELDS names them), so one sweep covers shapes whose own
-tilings differ. Every tiling is timed like a named row (device_timing.time_call);
+the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the
+tgmm's through benchmarks/tgmm_schedule.py's rows). `--vary FIELD=V1,V2` times, per shape, the
+kernel's own tiling with that one field changed (FIELDS names them), so one sweep covers shapes
+whose own tilings differ. Every tiling is timed like a named row (device_timing.time_call);
 `--interpret` runs a small shape in TPU interpret mode (the plumbing, on a CPU).
 """
 

@@ -75,6 +75,8 @@ def _dense_case(B, Hq, Hkv, Sq, Sk, D, dtype, causal, window, softcap, sinks, se
 
 
 def _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=SMALL, grads=True, interpret=True):
+    """The forward (and with `grads` the backward) against the f32 reference; returns the
+    forward's (o, lse)."""
     dtype = q.dtype
     # jit: eager dispatch of the many small ops costs far more than one compile.
     fwd = jax.jit(functools.partial(K.flash_attention_fwd, tiles=tiles, interpret=interpret, **cfg))
@@ -86,7 +88,7 @@ def _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=SMALL, grads=True, interpret
     sees = np.isfinite(np.asarray(ref_lse))  # rows that see nothing carry a sentinel lse
     _close(np.asarray(lse)[sees], np.asarray(ref_lse)[sees], **_tol(dtype))
     if not grads:
-        return
+        return o, lse
     do = _rand(99, q.shape, dtype)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     o_ref_fn = lambda q, k, v, s: R.attention(q, k, v, sinks=s, **seg, **cfg)  # noqa: E731
@@ -120,6 +122,7 @@ def _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=SMALL, grads=True, interpret
             rtol=0,
             err_msg=name,
         )
+    return o, lse
 
 
 @st.composite
@@ -329,6 +332,7 @@ def _check_varlen(
             rtol=0,
             err_msg=name,
         )
+    return o, lse
 
 
 @st.composite
@@ -705,9 +709,7 @@ def test_write_out_in_row_chunks_matches_the_reference(name):
     q, k, v, s, qseg, kseg, cfg = _dense_case(
         1, 4, 2, sq, sq - 200, 64, jnp.float32, True, (-1, -1), 0.0, False, False
     )
-    fwd = jax.jit(functools.partial(K.flash_attention_fwd, tiles=tiles, interpret=True, **cfg))
-    o, lse = fwd(q, k, v)
-    _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=tiles, grads=False)
+    o, lse = _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=tiles, grads=False)
     assert np.all(np.asarray(o)[:, :, :200] == 0)  # rows that see no key
     assert np.all(np.asarray(lse)[:, :, :200] == K.BIG_LSE)
     assert np.all(np.asarray(lse)[:, :, 200:] < 100.0)
