@@ -599,6 +599,11 @@ MEASURED_FILES = (
     # kernel timed in the same session, v5e_flash_check_chunked_finish.json the new kernel
     # against the f32 references (forward and, through its lse, backward)
     "v5e_flash_chunked_finish.json",
+    # the forward's edge walk cut into groups of four and one tail group of its exact length
+    # (kernel._groups; a window q tile of five kv slices was a lone masked tile and a group of
+    # four), the five named rows with edge items; v5e_flash_before_tail_groups.json the previous
+    # kernel in the same session, v5e_flash_check_tail_groups.json the checks (backward too)
+    "v5e_flash_tail_groups.json",
 )
 
 

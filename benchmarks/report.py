@@ -331,6 +331,8 @@ TRAINING_FILES = (
     # ours' flash forward + backward after the forward's write-out went to row chunks (its
     # previous forward and splash in the files above; the forward alone in MEASURED_FILES)
     "v5e_train_flash_chunked_finish.json",
+    # ours' forward + backward with the edge walk's tail groups (kernel._groups), three shapes
+    "v5e_train_flash_tail_groups.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

@@ -687,6 +687,79 @@ def test_choose_tiles_takes_long_kv_blocks_only_where_the_band_covers_every_key(
         assert c[2] <= 2048 or 4 * c[0] <= T.MAX_ROWS, c
 
 
+# Eight kv compute slices a kv block, so the forward's walk cuts a q tile's range into groups of
+# four and one tail group of its exact length (kernel._groups): tails of 1, 2, 3 and 5 tiles
+# (4 + 1), full groups mask-free or masked.
+EIGHT_SLICES = T.Tiles(
+    block_q=64,
+    block_kv=128,
+    block_kv_compute=16,
+    block_q_bwd=32,
+    block_kv_bwd=32,
+    block_q_compute=16,
+)
+
+
+def _walk_range_lengths(sq, sk, band, tiles):
+    """The kv slice counts (end - first) of every q tile the forward walks (items not taken by
+    the interior path), at one dense sequence of sq queries and sk keys padded to the tiles."""
+    bq, bk, bqc, bkc = tiles.block_q, tiles.block_kv, tiles.q_compute, tiles.block_kv_compute
+    sq_pad, sk_pad = K._round_up(sq, tiles.q_multiple), K._round_up(sk, tiles.kv_multiple)
+    off = sq - sk
+    lengths = set()
+    for qi in range(sq_pad // bq):
+        for ki in range(sk_pad // bk):
+            _, in_first, in_end, _ = K._inner_ranges(
+                qi * bq, bq, (0, sq), (0, sk), off, band, ki * bk, bk, bkc
+            )
+            if int(in_first) == 0 and int(in_end) == bk // bkc:
+                continue  # the interior path
+            for j in range(bq // bqc):
+                first, _, _, end = K._inner_ranges(
+                    qi * bq + j * bqc, bqc, (0, sq), (0, sk), off, band, ki * bk, bk, bkc
+                )
+                lengths.add(int(end) - int(first))
+    return lengths - {0}
+
+
+@pytest.mark.parametrize("unroll, n_inner", [(1, 1), (1, 4), (2, 2), (2, 3), (4, 4), (4, 8)])
+def test_walk_groups_cover_a_range_once(unroll, n_inner):
+    """kernel._groups: every range of 0..n_inner tiles is n_full groups of `unroll` and one
+    tail whose length has a copy in the program (`_tail_sizes`, none longer than the block);
+    a tail of one joins the last full group where the block has room for unroll + 1."""
+    sizes = K._tail_sizes(unroll, n_inner)
+    assert all(s <= n_inner for s in sizes) and len(set(sizes)) == len(sizes)
+    for n in range(n_inner + 1):
+        n_full, tail = (int(x) for x in K._groups(jnp.int32(n), unroll, n_inner))
+        assert n_full >= 0 and n_full * unroll + tail == n, (n, n_full, tail)
+        assert tail == 0 or tail in sizes, (n, tail, sizes)
+        if unroll > 1 and n > unroll:
+            assert tail != 1, (n, n_full, tail)  # no lone tile after a full group
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "causal, window, lengths",
+    [
+        (True, (-1, -1), {1, 2, 3, 4, 5, 6, 7, 8}),
+        (True, (60, -1), {1, 2, 3, 4, 5}),
+        (False, (30, 50), {1, 2, 3, 4, 5, 6, 7}),
+    ],
+)
+def test_walk_groups_every_range_length(causal, window, lengths):
+    """The forward's edge walk at eight kv slices a block against the f32 reference: every
+    range length 1-8 (tails alone, full groups, a full group and a tail), windows masked at
+    both ends of a range. The lengths the band gives are checked first, so a band that stopped
+    reaching a group would fail."""
+    band = K.Band.make(causal, *window)
+    assert _walk_range_lengths(200, 200, band, EIGHT_SLICES) == lengths
+    _check_dense(
+        *_dense_case(1, 4, 2, 200, 200, 64, jnp.float32, causal, window, 0.0, True, False),
+        tiles=EIGHT_SLICES,
+        grads=False,
+    )
+
+
 # q blocks of whole FINISH_ROWS chunks: the write-out's chunk loop (three chunks, not unrolled)
 # and its unrolled form (eight chunks, one loop iteration), with query rows that see no key
 # (causal, bottom-right: the first Sq - Sk rows) in the first chunks.

@@ -673,6 +673,20 @@ def test_tile_sweep_reads_other_gmm_tilings_from_the_compiled_schedule(tmp_path)
     assert other["scheduled_us"] > 0 and other["scheduled_us"] != own["scheduled_us"]
 
 
+def _assert_fits_one_overlay(target, generation, args, name, dump_dir):
+    """The largest Mosaic kernel of one deviceless compile fits one instruction-memory overlay of
+    the top-level program: it is at most the largest overlay plus 16 bundles (the XLA ops around
+    it sit in an overlay of their own, and the overlay holding the kernel may leave a few of its
+    first bundles, before the grid loop, 7-12 seen, in the one before)."""
+    scheds = [
+        x for x in L.dump_schedule(target, generation, args, name, str(dump_dir)) if x.is_mosaic
+    ]
+    overlays = L.program_overlays(dump_dir)
+    assert overlays, "libtpu wrote no overlay graph"
+    kernel = max(len(x.bundles) for x in scheds)
+    assert kernel <= max(overlays) + 16, (target, args, generation, kernel, overlays)
+
+
 # v5e in CI (the generation the program budget was sized by, whose overlays the chip showed
 # costing 3-7x); every generation in the long form (HYPOTHESIS_PROFILE=sweep): the v6e and TPU7x
 # dumps took 80 and 121 s of a CI run near its time limit.
@@ -685,20 +699,33 @@ def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
     """On every generation, our gmm at the named cell with the most window code under that
     generation's budget (tiling.PROGRAM_MXU_BUNDLES) compiles to a kernel one overlay holds:
     before the budget the v5e gmm was 140k bundles in 8 overlays of at most 21k, which a TPU
-    v5e chip ran at 3-7x its schedule (benchmarks/results/device/). The XLA ops around the kernel
-    sit in an overlay of their own, and the overlay holding the kernel may leave a few of its
-    first bundles (before the grid loop; 7-12 seen) in the one before: 16 bundles of slack."""
+    v5e chip ran at 3-7x its schedule (benchmarks/results/device/)."""
     import schedule_targets
 
     shape = _largest_window_code_cell(generation)
     target, args, name = schedule_targets.resolve("ours:ragged_dot", shape)
-    scheds = [
-        x for x in L.dump_schedule(target, generation, args, name, str(tmp_path)) if x.is_mosaic
-    ]
-    overlays = L.program_overlays(tmp_path)
-    assert overlays, "libtpu wrote no overlay graph"
-    kernel = max(len(x.bundles) for x in scheds)
-    assert kernel <= max(overlays) + 16, (shape, kernel, overlays)
+    _assert_fits_one_overlay(target, generation, args, name, tmp_path)
+
+
+# v6e in CI: its stacked 2048 x 512 score tiles make the largest forward (60,776 bundles at
+# window 1024 against 46,763 on v5e); every generation in the long form.
+@pytest.mark.compile
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "generation", tpu_compile.TESTED_GENERATIONS if tpu_compile.LONG_FORM else ["v6e"]
+)
+def test_flash_forward_program_fits_one_instruction_memory_overlay(tmp_path, generation):
+    """Our flash forward at Llama-3-8B window 1024 (the named row with the most straight-line
+    tile code: the interior path's and the edge walk's groups, kernel._tail_sizes) compiles to
+    a kernel one overlay holds. With the walk's former binary-digit groups v6e's was a
+    75,773-bundle kernel cut into overlays (Llama-3-8B causal: 71,054 bundles in 7), which the
+    grid loop would reload from HBM at every step."""
+    import schedule_targets
+
+    target, args, name = schedule_targets.resolve(
+        "ours:flash_attention", "llama3_8b_window1024_8192"
+    )
+    _assert_fits_one_overlay(target, generation, args, name, tmp_path)
 
 
 @pytest.mark.compile
@@ -709,21 +736,13 @@ def test_fused_gate_program_fits_one_instruction_memory_overlay(tmp_path):
     tm 512 / tk 4096 before, a 68k-bundle kernel in overlays of at most 21.6k bundles, which a
     TPU v5e chip ran at 1.27x our plain gmm plus XLA's gating (18.7 against 14.8 ms; with the
     bound 13.6 ms, benchmarks/results/device/v5e_train_gated_fit.json)."""
-    scheds = [
-        x
-        for x in L.dump_schedule(
-            "schedule_targets:compile_gated",
-            "v5e",
-            {"shape": "mixtral_8x7b_gate_up_t4096"},
-            "ragged_dot",
-            str(tmp_path),
-        )
-        if x.is_mosaic
-    ]
-    overlays = L.program_overlays(tmp_path)
-    assert overlays, "libtpu wrote no overlay graph"
-    kernel = max(len(x.bundles) for x in scheds)
-    assert kernel <= max(overlays) + 16, (kernel, overlays)
+    _assert_fits_one_overlay(
+        "schedule_targets:compile_gated",
+        "v5e",
+        {"shape": "mixtral_8x7b_gate_up_t4096"},
+        "ragged_dot",
+        tmp_path,
+    )
 
 
 # ---- real schedules from libtpu ------------------------------------------------------------------

@@ -144,14 +144,14 @@ def _mirror(band: Band) -> Band:
     return Band(-band.hi, -band.lo)
 
 
-def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
+def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None, n_inner=None):
     """Run tile_fn(i, masked) over the inner tiles of `ranges`: masked at the band's edges,
     mask-free inside it. With segment ids every tile is masked, and with `meets(i)` (segment-id
     ranges in SMEM) tiles whose documents do not meet are skipped.
 
     With `unroll` (a power of two) tile_fn takes a list of tile indices instead, a static count
-    run as one straight-line region: the mask-free run goes in groups of `unroll` tiles, its
-    remainder in halving groups, so the scheduler can overlap the tiles of a group."""
+    run as one straight-line region, so the scheduler can overlap the tiles of a group (`_groups`
+    says how a range is cut; `n_inner`, the inner block's tile count, bounds its length)."""
     first, in_first, in_end, end = ranges
     one = (lambda i, masked: tile_fn([i], masked)) if unroll else tile_fn
     if has_segments:
@@ -172,37 +172,52 @@ def _visit(ranges, tile_fn, *, has_segments=False, meets=None, unroll=None):
         ):
             jax.lax.fori_loop(lo, hi, lambda i, _, masked=masked: one(i, masked), None)
         return
+    n_full, tail = _groups(end - first, unroll, n_inner)
+
+    def full_group(g, _):
+        lo = first + g * unroll
+        tiles = [lo + u for u in range(unroll)]
+        mask_free = (lo >= in_first) & (lo + unroll <= in_end)
+        pl.when(mask_free)(lambda: tile_fn(tiles, False))
+        pl.when(jnp.logical_not(mask_free))(lambda: tile_fn(tiles, True))
+
+    jax.lax.fori_loop(0, n_full, full_group, None)
+    start = first + n_full * unroll
+    for size in _tail_sizes(unroll, n_inner):
+        pl.when(tail == size)(lambda size=size: tile_fn([start + u for u in range(size)], True))
+
+
+def _tail_sizes(unroll, n_inner):
+    """The lengths a range's tail group takes (`_groups`), one straight-line copy each, none
+    longer than the inner block's n_inner tiles. Program size counts: a kernel larger than one
+    instruction-memory overlay is cut into several, which the grid loop reloads from HBM at
+    every step. The binary-digit cut held 18 tile copies in the walk: at v6e's Llama-3-8B tiles
+    (2048 x 512 stacked score tiles) a 71,054-bundle forward in 7 overlays; with these 14 it
+    is 57,302 bundles in one (window 1024: 60,776)."""
+    sizes = list(range(1, unroll))  # what full groups leave
+    if 1 < unroll < n_inner:  # a remainder of one joins the last full group
+        sizes.append(unroll + 1)
+    return sizes
+
+
+def _groups(n, unroll, n_inner):
+    """A range of n inner tiles cut into straight-line groups: n_full groups of `unroll` tiles,
+    each mask-free unless it touches a masked edge, then one masked tail group of exactly its
+    length (`_tail_sizes`), a tail of one joining the last full group (unroll + 1 tiles).
+
+    A q tile of a window sees W / slice + 1 kv slices, masked at both ends, a causal diagonal
+    q tile its slices up to the diagonal: short ranges, where a tile alone in its group is the
+    costly case, as nothing overlaps its softmax chain (v5e, Llama-3-8B window 1024, 1024 x 256
+    stacked tiles: 5.76 bundles a MXU push alone, 5.65 / 5.22 in groups of 2 / 3, 5.02 in a
+    masked group of 4, 4.89 in one of 5, 4.51 mask-free in 4). Cutting a range by its binary
+    digits into edge runs and a mask-free run gave a window q tile of five slices a lone masked
+    tile and a group of four, one of four slices three groups. Returns (n_full, tail), traced."""
     log_u = unroll.bit_length() - 1
-
-    def groups(lo, hi, masked, remainder=True):
-        """[lo, hi) as groups of `unroll` tiles, then (with `remainder`) the rest in halving
-        groups (the binary digits of its length), each group one straight-line region."""
-        n = hi - lo  # >= 0; shifts and masks lower everywhere, integer division does not
-        full = n >> log_u
-        jax.lax.fori_loop(
-            0,
-            full,
-            lambda g, _: tile_fn([lo + (g << log_u) + u for u in range(unroll)], masked),
-            None,
-        )
-        if not remainder:
-            return lo + (full << log_u)
-        base = lo + (full << log_u)
-        size = unroll // 2
-        while size >= 1:
-            start = base + (n & (unroll - 1) & ~(2 * size - 1))
-            pl.when((n & size) != 0)(
-                lambda start=start, size=size: tile_fn([start + u for u in range(size)], masked)
-            )
-            size //= 2
-        return hi
-
-    groups(first, in_first, True)
-    # The mask-free run's remainder joins the trailing masked tiles (on the causal diagonal
-    # typically one): masking a few mask-free tiles costs less than running the diagonal tile
-    # alone, where nothing overlaps its softmax.
-    rest = groups(in_first, in_end, False, remainder=False)
-    groups(rest, end, True)
+    n_full, tail = n >> log_u, n & (unroll - 1)  # shifts and masks lower everywhere
+    if unroll + 1 in _tail_sizes(unroll, n_inner):
+        fold = (tail == 1) & (n_full > 0)
+        n_full, tail = n_full - fold.astype(n_full.dtype), jnp.where(fold, unroll + 1, tail)
+    return n_full, tail
 
 
 def _range_table(q_ids, kv_ids, q_tile, kv_tile):
@@ -301,7 +316,7 @@ def _walk_q_tiles(
 ):
     """Forward and dq: for each q compute tile of the item's q block (query tokens [t0, t0 + bqc),
     the G heads' rows r0 ... r0 + bqc), tile(r0, t0, c, masked) over the kv slices c of the item's
-    kv block that the band lets it see."""
+    kv block that the band lets it see (`_visit`)."""
     q_seq_lo, q_seq_hi, k_seq_lo, k_seq_hi, off = seq
 
     def q_tile(j, _):
@@ -328,6 +343,7 @@ def _walk_q_tiles(
             has_segments=has_segments,
             meets=meets,
             unroll=unroll,
+            n_inner=block_kv // bkc,
         )
         return None
 
