@@ -207,6 +207,41 @@ def compile_flash_tiles(generation: str, shape: str, tiles):
     return _lowered(generation, fn, avals).compile()
 
 
+def compile_flash_forward(
+    generation: str,
+    q_heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int = 128,
+    window: int = 0,
+    softcap: float = 0.0,
+):
+    """Our flash forward, causal, on one sequence of `seq` tokens with the heads given, a window
+    of `window` keys (0: none) and a soft cap, at the tiles the kernel picks: forwards no named
+    row covers, whose program size the kernel bounds (tiling.forward_program_bundles; op-name
+    filter flash_attention_fwd)."""
+    import jax.numpy as jnp
+
+    import ours
+
+    K = ours.ADAPTERS["flash_attention"].mod.kernel
+
+    def fn(q, k, v):
+        return K.flash_attention_fwd(
+            q,
+            k,
+            v,
+            causal=True,
+            window_size=(window - 1, 0) if window else (-1, -1),
+            softcap=softcap,
+            generation=generation,
+        )
+
+    q = ((1, q_heads, seq, head_dim), jnp.bfloat16)
+    kv = ((1, kv_heads, seq, head_dim), jnp.bfloat16)
+    return _lowered(generation, fn, [q, kv, kv]).compile()
+
+
 def compile_dlhs(generation: str, shape: str):
     """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
     with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's

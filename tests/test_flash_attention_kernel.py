@@ -760,6 +760,70 @@ def test_walk_groups_every_range_length(causal, window, lengths):
     )
 
 
+def _program(gen, q_heads, kv_heads, seq, head_dim, window, softcap, unroll=None, causal=True):
+    """(walk unroll, estimated program bundles, overlay, the tiles) of the forward at the
+    kernel's own tiles: _walk_unroll's choice, or `unroll`."""
+    t = T.choose_tiles(
+        q_len=seq,
+        kv_len=seq,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=jnp.bfloat16,
+        causal=causal,
+        window_size=(window - 1, 0) if window else (-1, -1),
+        generation=gen,
+    )
+    G = q_heads // kv_heads
+    iq = T.interior_q_compute(gen, t, G, head_dim, 2, False)
+    band = K.Band.make(causal, window - 1 if window else -1, 0 if window else -1)
+    prob = K._Problem(1, kv_heads, G, seq, seq, head_dim, band, 1.0, softcap, 1, None)
+    unroll = unroll or K._walk_unroll(gen, t, prob, iq)
+    vregs = K._forward_score_vregs(t, G, iq, unroll)
+    return (unroll, *T.forward_program_bundles(gen, vregs, head_dim, softcap), t)
+
+
+# Deviceless dumps (libtpu 0.0.42, llo_schedule.py): (generation, q heads, kv heads, tokens, head
+# dim, window, soft cap, walk unroll) -> the forward's bundles, and whether one overlay held it.
+PROGRAM_DUMPS = [
+    (("v5e", 32, 8, 8192, 128, 1024, 0.0, 4), 46_763, True),
+    (("v5e", 32, 8, 8192, 128, 1024, 30.0, 4), 48_332, True),
+    (("v5e", 16, 8, 8192, 256, 4096, 50.0, 4), 41_087, True),
+    (("v5e", 32, 1, 4096, 128, 0, 0.0, 1), 55_899, True),
+    (("v6e", 32, 8, 8192, 128, 1024, 0.0, 4), 60_776, True),
+    (("v6e", 32, 8, 8192, 128, 1024, 30.0, 4), 72_071, False),
+    (("v6e", 16, 8, 8192, 256, 4096, 50.0, 4), 37_404, True),
+    (("tpu7x", 32, 8, 8192, 128, 1024, 0.0, 4), 31_994, True),
+    (("tpu7x", 32, 8, 8192, 128, 1024, 30.0, 4), 37_102, True),
+    (("tpu7x", 16, 8, 8192, 256, 4096, 50.0, 4), 38_746, True),
+    (("tpu7x", 48, 8, 8192, 128, 0, 30.0, 4), 51_561, True),
+]
+
+
+def test_forward_program_estimate_matches_the_dumps_and_bounds_the_walk():
+    """tiling.forward_program_bundles against the dumped programs (within 6%; the fitted points
+    within 0.1%), a program libtpu cut into overlays over its generation's bound; the walk's
+    unroll halves exactly where the estimate leaves the overlay (v6e's soft-capped Llama-3-8B,
+    v5e's 32-head MQA; TPU7x's soft-capped 48 / 8 heads, whose 51,561 bundles fit at four but
+    are estimated 4% above the bound) and nowhere on a named row."""
+    for (gen, hq, hkv, seq, d, window, softcap, unroll), bundles, fits in PROGRAM_DUMPS:
+        _, est, overlay, _ = _program(gen, hq, hkv, seq, d, window, softcap, unroll)
+        assert est == pytest.approx(bundles, rel=0.06), (gen, hq, hkv, d, softcap)
+        assert (bundles <= overlay) == fits, (gen, hq, hkv, d, softcap, bundles, overlay)
+    assert _program("v6e", 32, 8, 8192, 128, 1024, 30.0)[0] == 2
+    assert _program("v5e", 32, 1, 4096, 128, 0, 0.0)[0] == 1
+    assert _program("tpu7x", 48, 8, 8192, 128, 0, 30.0)[0] == 2
+    import shapes
+
+    for s in shapes.NAMED["flash_attention"]:
+        if s.documents:
+            continue  # segment ids: a walk of one tile at a time
+        for gen in ("v5e", "v6e", "tpu7x"):
+            args = (s.q_heads, s.kv_heads, s.seq, s.head_dim, s.window, s.softcap or 0.0)
+            unroll, _, _, t = _program(gen, *args, causal=s.causal)
+            assert unroll == K._fwd_unroll(t.block_kv // t.block_kv_compute), (s.name, gen)
+
+
 # q blocks of whole FINISH_ROWS chunks: the write-out's chunk loop (three chunks, not unrolled)
 # and its unrolled form (eight chunks, one loop iteration), with query rows that see no key
 # (causal, bottom-right: the first Sq - Sk rows) in the first chunks.

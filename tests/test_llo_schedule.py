@@ -707,24 +707,46 @@ def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
     _assert_fits_one_overlay(target, generation, args, name, tmp_path)
 
 
-# v6e in CI: its stacked 2048 x 512 score tiles make the largest forward (60,776 bundles at
-# window 1024 against 46,763 on v5e); every generation in the long form.
+# Forwards near their generation's program bound (tiling.FORWARD_CODE), compiled with the
+# kernel's own tiles: (generation, compile_flash_forward's arguments or None for the named row
+# Llama-3-8B window 1024). v6e's window 1024 in CI (2048 x 512 stacked score tiles: 60,776
+# bundles, the largest program a named row compiles); in the long form the same row on the other
+# generations and the forwards whose edge walk the bound shortens: v6e's soft-capped Llama-3-8B
+# heads (72,071 bundles in 7 overlays at full groups), v5e's 32-head MQA, TPU7x's 48 / 8 heads
+# with a soft cap.
+_FORWARD_PROGRAMS = [("v6e", None)] + (
+    [
+        ("v5e", None),
+        ("tpu7x", None),
+        ("v6e", dict(q_heads=32, kv_heads=8, seq=8192, window=1024, softcap=30.0)),
+        ("v5e", dict(q_heads=32, kv_heads=1, seq=4096)),
+        ("tpu7x", dict(q_heads=48, kv_heads=8, seq=8192, softcap=30.0)),
+    ]
+    if tpu_compile.LONG_FORM
+    else []
+)
+
+
 @pytest.mark.compile
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "generation", tpu_compile.TESTED_GENERATIONS if tpu_compile.LONG_FORM else ["v6e"]
-)
-def test_flash_forward_program_fits_one_instruction_memory_overlay(tmp_path, generation):
-    """Our flash forward at Llama-3-8B window 1024 (the named row with the most straight-line
-    tile code: the interior path's and the edge walk's groups, kernel._tail_sizes) compiles to
-    a kernel one overlay holds. With the walk's former binary-digit groups v6e's was a
-    75,773-bundle kernel cut into overlays (Llama-3-8B causal: 71,054 bundles in 7), which the
+@pytest.mark.parametrize("generation, forward", _FORWARD_PROGRAMS)
+def test_flash_forward_program_fits_one_instruction_memory_overlay(tmp_path, generation, forward):
+    """Our flash forward compiles to a kernel one overlay holds (its edge walk's groups bounded
+    by kernel._walk_unroll). With the walk's former binary-digit groups v6e's Llama-3-8B window
+    1024 was a 75,773-bundle kernel cut into overlays (causal: 71,054 bundles in 7), which the
     grid loop would reload from HBM at every step."""
     import schedule_targets
 
-    target, args, name = schedule_targets.resolve(
-        "ours:flash_attention", "llama3_8b_window1024_8192"
-    )
+    if forward is None:
+        target, args, name = schedule_targets.resolve(
+            "ours:flash_attention", "llama3_8b_window1024_8192"
+        )
+    else:
+        target, args, name = (
+            "schedule_targets:compile_flash_forward",
+            forward,
+            "flash_attention_fwd",
+        )
     _assert_fits_one_overlay(target, generation, args, name, tmp_path)
 
 

@@ -544,8 +544,7 @@ def _fwd_kernel(
         def q_tile(j, _):
             tiles(pl.multiple_of(j * bqi, bqi), None, range(n_ks), False, bqi)
 
-        small = groups * bqi * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
-        jax.lax.fori_loop(0, n_qt, q_tile, None, unroll=INTERIOR_Q_UNROLL if small else 1)
+        jax.lax.fori_loop(0, n_qt, q_tile, None, unroll=_interior_unroll(groups, bqi, bkc, n_qt))
 
     @pl.when((flags & COMPUTE) != 0)
     def _compute():
@@ -764,6 +763,43 @@ def _fwd_unroll(n_slices):
     return 1 << (n.bit_length() - 1)
 
 
+def _interior_unroll(groups, bqi, bkc, n_qt):
+    """q tiles per straight-line region of the interior path (INTERIOR_Q_UNROLL where a score
+    tile is at most 512 x 512 and it divides the q block's n_qt tiles, else 1)."""
+    small = groups * bqi * bkc <= 512 * 512 and n_qt % INTERIOR_Q_UNROLL == 0
+    return INTERIOR_Q_UNROLL if small else 1
+
+
+def _forward_score_vregs(tiles, groups, interior_q, unroll):
+    """Score vregs ([8, 128] f32) over the forward's straight-line score-tile copies: the
+    interior path's region (its unrolled q tiles, each against every kv slice) and the edge
+    walk's groups at `unroll` (two full-group bodies and one per tail length, `_tail_sizes`).
+    tiling.forward_program_bundles turns them into a program size."""
+    n_ks = tiles.block_kv // tiles.block_kv_compute
+    bqi = interior_q or tiles.q_compute
+    interior = n_ks * _interior_unroll(groups, bqi, tiles.block_kv_compute, tiles.block_q // bqi)
+    walk = 2 * unroll + sum(_tail_sizes(unroll, n_ks))
+    rows = interior * bqi + walk * tiles.q_compute
+    return groups * rows * tiles.block_kv_compute / (NUM_SUBLANES * NUM_LANES)
+
+
+def _walk_unroll(generation, tiles, prob: _Problem, interior_q):
+    """The edge walk's full-group length: `_fwd_unroll`, halved while the forward would not fit
+    one instruction-memory overlay (tiling.forward_program_bundles). v6e's Llama-3-8B heads with
+    a soft cap (2048 x 512 stacked tiles) were a 72,071-bundle program in 7 overlays at 4, which
+    the grid loop reloads at every step; at 2 the estimate is 49k."""
+    unroll = _fwd_unroll(tiles.block_kv // tiles.block_kv_compute)
+    while unroll > 1:
+        vregs = _forward_score_vregs(tiles, prob.groups, interior_q, unroll)
+        bundles, overlay = _tiling.forward_program_bundles(
+            generation, vregs, prob.head_dim, prob.softcap
+        )
+        if bundles <= overlay:
+            break
+        unroll //= 2
+    return unroll
+
+
 def _cost_estimates(prob: _Problem, seqs, tiles, itemsize_dtype, pass_, segments, has_sinks=False):
     """`pl.CostEstimate`s of the pass's pallas_calls, in call order, from tiling.estimate_cost's
     closed forms (static lists: the exact counts; cu_seqlens: the padded dense band as a bound)."""
@@ -814,8 +850,10 @@ def _forward(
     interpret,
     exp_bf16=False,
     interior_q=None,
+    walk_unroll=None,
 ):
-    """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles)."""
+    """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles);
+    `walk_unroll`: the edge walk's full-group length (default `_fwd_unroll`)."""
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
     bq, bk, bkc, bqc = tiles.block_q, tiles.block_kv, tiles.block_kv_compute, tiles.q_compute
@@ -884,7 +922,7 @@ def _forward(
         has_sinks=has_sinks,
         has_segments=has_segments,
         tile_ranges=tile_ranges,
-        unroll=_fwd_unroll(bk // bkc),
+        unroll=walk_unroll or _fwd_unroll(bk // bkc),
         exp_bf16=exp_bf16,
         interior_q=interior_q,
     )
@@ -1490,8 +1528,9 @@ def flash_attention_fwd(
         generation, tiles, prob.groups, prob.head_dim, q.dtype.itemsize, qseg is not None
     )
     o5, lse = _forward(
-        q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret, exp_bf16, interior_q
-    )
+        q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret, exp_bf16, interior_q,
+        walk_unroll=_walk_unroll(generation, tiles, prob, interior_q),
+    )  # fmt: skip
     return _unpack_out(o5, varlen, sizes), _lse_out(lse, sizes)
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -287,6 +287,50 @@ def exp_in_bf16(generation, dtype) -> bool:
 # left at the edge walk's tile). v5e (4 smaller MXUs) is MXU-bound already: unchanged.
 INTERIOR_MAX_ROWS = 2048
 TALL_INTERIOR_GENERATIONS = ("v6e",)
+
+
+# Program size. A Mosaic kernel larger than one instruction-memory overlay is cut into several,
+# which the grid loop reloads from HBM at every step (our gmm's 140k-bundle program in 8 overlays
+# ran at 3-7x its schedule on a v5e chip). The flash forward's program is mostly straight-line
+# copies of its score tile: the interior path's q tiles and the edge walk's groups
+# (kernel._forward_score_vregs counts the f32 [8, 128] score vregs over all copies). Bundles ~
+# FORWARD_FIXED_BUNDLES + score vregs x (per_vreg + per_vreg_d * (D / 128 - 1)) x (softcap with a
+# soft cap), fitted per generation on libtpu 0.0.42 deviceless dumps of Llama-3-8B heads (d=128)
+# at window 1024 with and without a soft cap of 30, and Gemma-like d=256 heads at window 4096
+# with a soft cap of 50 (`llo_schedule.py`; per_vreg_d: v5e's 128-wide MXUs push a d=256 tile's
+# two matmuls twice as often, v6e's and TPU7x's 256-wide ones about as often). A forward must
+# stay within `overlay`, the largest overlay seen holding one (`program_overlays`):
+# - v5e: Llama window 1024, 35 copies of 1024 x 256 tiles, 46,763 bundles, 48,332 with the soft
+#   cap; Gemma-like 41,087; 32 MQA heads on one KV head at 4096 tokens, one walk tile a group,
+#   55,899 (in a 56,176-bundle overlay; an estimated 136k at groups of four);
+# - v6e: Llama window 1024, 18 copies of 2048 x 512, 60,776 bundles in a 61,120-bundle overlay;
+#   with the soft cap 72,071, which libtpu cut into 7 overlays; Gemma-like 37,404;
+# - TPU7x: Llama window 1024, 18 copies of 1024 x 512, 31,994 / 37,102 bundles; Gemma-like
+#   38,746; 48 / 8 heads with the soft cap at 8192 tokens 51,561 (in a 52,472-bundle overlay;
+#   estimated 53.7k, so the walk takes groups of two there: the estimate errs by up to ~6%).
+class ForwardCode(NamedTuple):
+    per_vreg: float  # bundles per score vreg of a copy at D = 128
+    per_vreg_d: float  # more per score vreg for each further 128 of D
+    softcap: float  # factor on a soft-capped forward's copies
+    overlay: int  # bundles: the largest overlay seen holding a forward
+
+
+FORWARD_FIXED_BUNDLES = 4_000  # init, write-out loops, the grid step's own code
+FORWARD_CODE = {
+    "v5e": ForwardCode(4.773, 3.212, 1.037, 56_176),
+    "v6e": ForwardCode(3.080, 0.0, 1.199, 61_120),
+    "tpu7x": ForwardCode(3.038, 0.150, 1.183, 52_472),
+}
+
+
+def forward_program_bundles(generation, score_vregs: float, head_dim: int, softcap: float):
+    """The flash forward's estimated program size in bundles, and the overlay it must fit (a
+    generation not listed takes the smallest)."""
+    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    code = FORWARD_CODE.get(gen.name) or min(FORWARD_CODE.values(), key=lambda c: c.overlay)
+    per_vreg = code.per_vreg + code.per_vreg_d * max(head_dim / 128 - 1, 0.0)
+    est = FORWARD_FIXED_BUNDLES + score_vregs * per_vreg * (code.softcap if softcap else 1.0)
+    return est, code.overlay
 
 
 def interior_q_compute(generation, tiles: Tiles, groups, head_dim, itemsize, segments) -> int:
