@@ -302,7 +302,8 @@ TALL_INTERIOR_GENERATIONS = ("v6e",)
 # stay within `overlay`, the largest overlay seen holding one (`program_overlays`):
 # - v5e: Llama window 1024, 35 copies of 1024 x 256 tiles, 46,763 bundles, 48,332 with the soft
 #   cap; Gemma-like 41,087; 32 MQA heads on one KV head at 4096 tokens, one walk tile a group,
-#   55,899 (in a 56,176-bundle overlay; an estimated 136k at groups of four);
+#   55,899 (in a 56,176-bundle overlay; at groups of four 131,353 bundles in 11 overlays, 2.16x
+#   slower on the chip: benchmarks/program_size_probe.py);
 # - v6e: Llama window 1024, 18 copies of 2048 x 512, 60,776 bundles in a 61,120-bundle overlay;
 #   with the soft cap 72,071, which libtpu cut into 7 overlays; Gemma-like 37,404;
 # - TPU7x: Llama window 1024, 18 copies of 1024 x 512, 31,994 / 37,102 bundles; Gemma-like
