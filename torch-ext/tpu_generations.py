@@ -159,8 +159,11 @@ DEFAULT_GENERATION = "v6e"
 GENERATION_ENV = "PALLAS_TPU_GENERATION"
 
 
-def get_generation(name: str | None = None) -> TpuGeneration:
-    """`name`, else $PALLAS_TPU_GENERATION, else the attached TPU's, else the default (v6e)."""
+def get_generation(name: str | TpuGeneration | None = None) -> TpuGeneration:
+    """`name` (a TpuGeneration is returned as it is), else $PALLAS_TPU_GENERATION, else the
+    attached TPU's, else the default (v6e)."""
+    if isinstance(name, TpuGeneration):
+        return name
     name = name or os.environ.get(GENERATION_ENV) or detect_generation() or DEFAULT_GENERATION
     try:
         return GENERATIONS[name]

@@ -227,7 +227,7 @@ def with_vmem_limits(tiles: Tiles, groups, head_dim, dtype, generation, segments
     without it). `padded_q_len`: the fused backward's resident dq rows."""
     if tiles.vmem_limit_bytes is not None and tiles.vmem_limit_bytes_bwd is not None:
         return tiles
-    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen = get_generation(generation)
     isz = _itemsize(dtype)
     fields = {}
     if tiles.vmem_limit_bytes is None:
@@ -274,7 +274,7 @@ def exp_in_bf16(generation, dtype) -> bool:
     choose_tiles resolves it) with inputs of `dtype` takes its exp in bf16."""
     if np.dtype(dtype).name != "bfloat16":
         return False
-    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen = get_generation(generation)
     return gen.name in BF16_EXP_GENERATIONS
 
 
@@ -327,7 +327,7 @@ FORWARD_CODE = {
 def forward_program_bundles(generation, score_vregs: float, head_dim: int, softcap: float):
     """The flash forward's estimated program size in bundles, and the overlay it must fit (a
     generation not listed takes the smallest)."""
-    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen = get_generation(generation)
     code = FORWARD_CODE.get(gen.name) or min(FORWARD_CODE.values(), key=lambda c: c.overlay)
     per_vreg = code.per_vreg + code.per_vreg_d * max(head_dim / 128 - 1, 0.0)
     est = FORWARD_FIXED_BUNDLES + score_vregs * per_vreg * (code.softcap if softcap else 1.0)
@@ -340,7 +340,7 @@ def interior_q_compute(generation, tiles: Tiles, groups, head_dim, itemsize, seg
     the call's vmem_limit_bytes already grants (so the limit, the tiles and the edge walk do not
     change)."""
     bqc = tiles.q_compute
-    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen = get_generation(generation)
     if gen.name not in TALL_INTERIOR_GENERATIONS or segments:
         return bqc
     limit = tiles.vmem_limit_bytes or gen.scoped_vmem_default_bytes
@@ -496,7 +496,7 @@ def choose_tiles(
     picked small blocks at 1792 tokens, +66% kernel time)."""
     if override is not None:
         return override
-    gen = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen = get_generation(generation)
     groups = num_q_heads // num_kv_heads
     isz = _itemsize(dtype)
     budget = vmem_budget_bytes(gen)
@@ -970,7 +970,7 @@ def estimate_cost(
         )
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
         units = fwd_tile_units(
-            get_generation(generation) if not isinstance(generation, TpuGeneration) else generation,
+            get_generation(generation),
             G * bqc,
             bkc,
             D,
@@ -1011,7 +1011,7 @@ def estimate_cost(
     tables = tile_tables(bqc, bkc)
     fused = tiles.fused_bwd
     hbm = mxu = steps = 0
-    gen_b = get_generation(generation) if not isinstance(generation, TpuGeneration) else generation
+    gen_b = get_generation(generation)
     tiles_b = masked_b = pushes_b = eup_b = 0
     valu_b = 0.0
     if fused:  # dq of each (batch, head) written once, from the VMEM-resident block
