@@ -915,6 +915,21 @@ def test_tpu_interpret_write_out_in_row_chunks():
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
+def test_tpu_interpret_walk_tail_groups():
+    """The edge walk at eight kv slices a block (EIGHT_SLICES) in TPU interpret mode, causal:
+    the diagonal items' q tiles see 1-8 slices (test_walk_groups_every_range_length checks it),
+    so every tail group and both full-group bodies run, race-free and NaN-safe."""
+    with tpu_interpreter.race_checked():
+        _check_dense(
+            *_dense_case(1, 4, 2, 200, 200, 64, jnp.float32, True, (-1, -1), 0.0, False, False),
+            tiles=EIGHT_SLICES,
+            grads=False,
+            interpret=_tpu_params(),
+        )
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
 def test_tpu_interpret_blocks_that_are_not_powers_of_two():
     """Three-tile blocks (fitted_blocks) race-free and NaN-safe in TPU interpret mode, the
     fused backward included, with the lengths padded to them."""
