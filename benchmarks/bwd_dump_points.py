@@ -31,23 +31,28 @@ CALIBRATION = HERE / "results" / "tile_model_calibration.json"
 
 
 def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
-    """The measured fields of `point` from one kernel's schedule summary (llo_schedule --json):
-    among the innermost loops whose vmatmul count is a positive multiple of the tile's MXU pushes
-    and that select (vsel) exactly when the point is a masked one, the one with the most bundles
-    (the edge walk compiles a masked loop on each side of the mask-free run; they match)."""
+    """The measured fields of `point` from one kernel's schedule summary (llo_schedule --json,
+    with each innermost loop's MXU branches, `_dump`): among the innermost loops, and the
+    branches of a loop that holds both a masked and a mask-free body (the dq pass's group loop
+    picks one per group: kernel._groups), whose vmatmul count is a positive multiple of the
+    tile's MXU pushes and that select (vsel) exactly when the point is a masked one, the one with
+    the most bundles (the edge walk compiles a masked loop on each side of the mask-free run;
+    they match)."""
     found = []
     for loop in schedule["loops"]:
-        ops = loop["own"]["ops"]
-        pushes = ops.get("vmatmul", 0)
-        if loop["children"] or not pushes or pushes % mxu_pushes:
+        if loop["children"]:
             continue
-        if ("vsel" in ops) != bool(point["masked"]):
-            continue
-        found.append(loop)
+        branches = loop.get("branches", [])
+        mixed = len({"vsel" in b["ops"] for b in branches}) == 2
+        for seg in branches if mixed else [loop["own"]]:
+            ops = seg["ops"]
+            pushes = ops.get("vmatmul", 0)
+            if not pushes or pushes % mxu_pushes or ("vsel" in ops) != bool(point["masked"]):
+                continue
+            found.append(seg)
     if not found:
         raise ValueError(f"no {'masked' if point['masked'] else 'mask-free'} loop of whole tiles")
-    loop = max(found, key=lambda x: x["own"]["bundles"])
-    own = loop["own"]
+    own = max(found, key=lambda x: x["bundles"])
     tiles = own["ops"]["vmatmul"] // mxu_pushes
     label = "masked edge tiles (vsel)" if point["masked"] else "mask-free tiles"
     return {
@@ -92,13 +97,30 @@ def model_fields(point: dict) -> dict:
 
 
 def _dump(command: str) -> dict:
+    """The command's schedule summary, each innermost loop with its MXU branches (the regions a
+    forward branch skips, descended while one region holds all the loop's MXU work)."""
+    import tempfile
+
+    import llo_schedule
+
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        shlex.split(command) + ["--json"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        raise RuntimeError(f"{command} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout[out.stdout.index("{") :])
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = shlex.split(command) + ["--json", "--dump-dir", tmp]
+        out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{command} failed:\n{out.stderr[-2000:]}")
+        summary = json.loads(out.stdout[out.stdout.index("{") :])
+        name = argv[argv.index("--name") + 1]
+        sched = llo_schedule.parse_dump(tmp, name)[0]
+    loops = sched.all_loops()
+    assert len(loops) == len(summary["loops"]), command
+    for loop, row in zip(loops, summary["loops"]):
+        regions = [r for r in sched.regions(loop) if sched.region_segment(r).mxu_pushes]
+        while len(regions) == 1:
+            regions = [c for c in regions[0].children if sched.region_segment(c).mxu_pushes]
+        if not loop.children:
+            row["branches"] = [sched.region_segment(r).as_dict() for r in regions]
+    return summary
 
 
 def main(argv=None) -> int:

@@ -870,6 +870,19 @@ def test_bwd_dump_points_selects_the_points_loop():
     assert free["loop"] == "mask-free tiles" and free["mxu_occupancy"] == 0.5
     with pytest.raises(ValueError, match="mask-free"):
         bwd_dump_points.select_loop({"loops": schedule["loops"][1:2]}, {"masked": False}, 384)
+    # The dq pass's group loop holds a masked and a mask-free body, one run per group: each
+    # point reads its own branch, not the loop (TPU7x Llama-3-8B dq, 1024 x 512 tiles).
+    mixed = loop(7333, vmatmul=1536, vsel=802)
+    mixed["branches"] = [
+        {"bundles": 3618, "ops": {"vmatmul": 768}, "occupancy": {"MXU": 0.673, "VALU": 0.4}},
+        {"bundles": 3702, "ops": {"vmatmul": 768, "vsel": 802}, "occupancy": {"MXU": 0.656}},
+    ]
+    mixed["branches"][1]["occupancy"]["VALU"] = 0.5
+    dq = {"loops": [loop(9000, children=1, dma=4), mixed]}
+    masked = bwd_dump_points.select_loop(dq, {"masked": True}, 384)
+    assert masked["hot_loop_bundles"] == 3702 and masked["dump_bundles_per_tile"] == 1851.0
+    free = bwd_dump_points.select_loop(dq, {"masked": False}, 384)
+    assert free["hot_loop_bundles"] == 3618 and free["mxu_occupancy"] == 0.673
 
 
 def _paged_named(name):

@@ -709,11 +709,11 @@ def test_gmm_program_fits_one_instruction_memory_overlay(tmp_path, generation):
 
 # Forwards near their generation's program bound (tiling.FORWARD_CODE), compiled with the
 # kernel's own tiles: (generation, compile_flash_forward's arguments or None for the named row
-# Llama-3-8B window 1024). v6e's window 1024 in CI (2048 x 512 stacked score tiles: 60,776
+# Llama-3-8B window 1024). v6e's window 1024 in CI (2048 x 512 stacked score tiles: 57,421
 # bundles, the largest program a named row compiles); in the long form the same row on the other
-# generations and the forwards whose edge walk the bound shortens: v6e's soft-capped Llama-3-8B
-# heads (72,071 bundles in 7 overlays at full groups), v5e's 32-head MQA, TPU7x's 48 / 8 heads
-# with a soft cap.
+# generations and the forwards near the bound: v6e's soft-capped Llama-3-8B heads (66,828
+# bundles in 7 overlays at full groups, so the bound halves its walk), v5e's 32-head MQA (one
+# tile a group), TPU7x's 48 / 8 heads with a soft cap (groups of four, 50,066 bundles).
 _FORWARD_PROGRAMS = [("v6e", None)] + (
     [
         ("v5e", None),

@@ -39,7 +39,9 @@ of a long causal or windowed sequence) runs all its kv slices per q tile, its q 
 two at a time when a tile is <= 512 x 512 stacked rows x keys (on v6e the interior q tile is
 taller than the edge walk's, `tiling.interior_q_compute`, so fewer, longer chains fill the MXU
 gaps instead); edge items run groups of FWD_UNROLL mask-free tiles, and the
-remainder joins the masked edge tiles in masked groups. Scores are base 2 (exp2, log2(e) and the
+remainder joins the masked edge tiles in masked groups. A masked tile builds the mask of one
+head's rows and selects it into each of the G heads the tile stacks (`_where_heads`; not on v5e
+at d > 128, `tiling.mask_per_head`). Scores are base 2 (exp2, log2(e) and the
 softmax scale folded into the q tile once per group), the rescale exp is one per row per tile, and
 1 / l is taken once at the end. At the last item of a q block the output and the log-sum-exp
 (lse, used by the backward) are written.
@@ -55,7 +57,10 @@ recomputes base-2 scores (one multiply per score, lse turned to base 2 once outs
 kernels); the softmax scale is applied to dq and dk once, when they are written, not to every
 score. Masked tiles test each score against one interval per row (dq:
 the row's keys; dk/dv: the key's query tokens), two compares, as the forward does. The dq pass
-runs a q tile's kv slices two per straight-line group (DQ_UNROLL) and updates dq once per group.
+runs a q tile's kv slices two per straight-line group (DQ_UNROLL) and updates dq once per group;
+on v6e and TPU7x (bf16 inputs) it takes exp2 in bf16 and forms dS = P * (dP - di) in bf16, the
+dtype its dS @ K matmul takes (`_probabilities`, `_score_grads`; the dk/dv passes keep f32,
+where bf16 made v6e's tiles 6-14% longer).
 """
 
 from __future__ import annotations
@@ -266,8 +271,9 @@ def _interval_mask(x, x_seq, y0, y_seq, off, band: Band, n_cols, mirrored=False,
 
 
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
-    """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass): rows stack G heads of the
-    bqc query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0;
+    """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass; groups=1: one head's,
+    which `_where_heads` applies to the G heads a tile stacks): rows stack G heads of the bqc
+    query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0;
     a row's keys form one interval (`_interval_mask`). `ids`: (q segment ids as a column
     [bqc, 1], kv ids as a row [1, bkc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
@@ -281,8 +287,8 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
 
 
 def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
-    """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc]: rows are the
-    keys from u0, columns G heads of the bqc query tokens from t0 (the token is the column index
+    """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc] (groups=1: one
+    head's, for `_where_heads`): rows are the keys from u0, columns G heads of the bqc query tokens from t0 (the token is the column index
     mod bqc); a key's query tokens form one interval. `ids`: (kv segment ids as a column
     [bkc, 1], q ids as a row [1, bqc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
@@ -295,6 +301,45 @@ def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
         q_ids = jnp.concatenate([q_ids] * groups, axis=1) if groups > 1 else q_ids
         mask = mask & (kv_ids == q_ids)
     return mask
+
+
+def _probabilities(s, lse, exp_bf16):
+    """The backward's recomputed probabilities exp2(s - lse) of base-2 scores. With `exp_bf16`
+    (bf16 inputs on v6e / TPU7x, tiling.exp_in_bf16, as the forward) the exponent is formed in
+    f32 and rounded once, and exp2 runs on packed bf16 vregs: half the EUP pushes and result
+    pops, and p is bf16, as the p @ do / ds @ k matmuls take it anyway."""
+    if exp_bf16:
+        return jnp.exp2((s - lse).astype(jnp.bfloat16))
+    return jnp.exp2(s - lse)
+
+
+def _score_grads(p, dp, di, exp_bf16):
+    """ds = p * (dp - di): dp - di in f32 (they cancel where p ~ 1), the product in bf16 when p
+    is (`_probabilities`), the dtype the ds @ k / ds^T @ q matmuls take. TPU7x, Llama-3-8B dq
+    pass (1024 x 512 tiles): 7,773 -> 7,333 bundles per two-tile group, MXU 0.63 -> 0.66."""
+    if exp_bf16:
+        return p * (dp - di).astype(jnp.bfloat16)
+    return p * (dp - di)
+
+
+def _where_heads(mask, x, fill, axis):
+    """where(mask, x, fill) on a score tile that stacks G heads of the same tokens along `axis`
+    (0: the q-major tiles of the forward and the dq pass, [G*bqc, bkc]; 1: the dk/dv pass's
+    transposed tiles, [bkc, G*bqc]), `mask` either the whole tile's or one head's ([bqc, bkc] /
+    [bkc, bqc], where `tiling.mask_per_head`): the heads share their tokens' mask, so its
+    compares run on 1/G-th of the tile. TPU7x, Llama-3-8B window 1024, the forward's masked
+    tail groups: 10,969 -> 9,374 bundles (the whole tile's mask took four compares per score
+    vreg)."""
+    groups = x.shape[axis] // mask.shape[axis]
+    if groups == 1:
+        return jnp.where(mask, x, fill)
+    if axis == 0:
+        rows, cols = mask.shape
+        return jnp.where(mask[None], x.reshape(groups, rows, cols), fill).reshape(x.shape)
+    n = mask.shape[1]
+    return jnp.concatenate(
+        [jnp.where(mask, x[:, g * n : (g + 1) * n], fill) for g in range(groups)], axis=1
+    )
 
 
 def _walk_q_tiles(
@@ -436,6 +481,7 @@ def _fwd_kernel(
     unroll,
     exp_bf16=False,
     interior_q=None,
+    mask_heads=1,
 ):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
@@ -498,11 +544,11 @@ def _fwd_kernel(
         s, _ = _base2_scores(s, softcap)
         if masked:
             ids = (qseg_ref[pl.ds(r0, bqc), 0:1], kseg_ref[c][0:1, :]) if has_segments else None
-            mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
+            mask = _tile_mask(mask_heads, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
             # A row that has seen no key yet keeps m = NEG_INF and gathers exp2(0) = 1 per
             # masked key; the first key it sees scales that away (alpha = 0), and a row that
             # never sees one is told apart by m at the end.
-            s = jnp.where(mask, s, NEG_INF)
+            s = _where_heads(mask, s, NEG_INF, axis=0)
         m_new = jnp.maximum(m, _row_reduce(s, jnp.maximum))
         if exp_bf16:
             # bf16 EUP/VPU (v6e, TPU7x): the exponent is formed in f32 (s and m are large and
@@ -783,11 +829,17 @@ def _forward_score_vregs(tiles, groups, interior_q, unroll):
     return groups * rows * tiles.block_kv_compute / (NUM_SUBLANES * NUM_LANES)
 
 
+def _mask_heads(generation, prob: _Problem):
+    """The heads a masked tile builds its mask for (`_tile_mask`): one, shared by the G heads the
+    tile stacks (`_where_heads`), where tiling.mask_per_head says it pays, else all G."""
+    return 1 if _tiling.mask_per_head(generation, prob.head_dim) else prob.groups
+
+
 def _walk_unroll(generation, tiles, prob: _Problem, interior_q):
     """The edge walk's full-group length: `_fwd_unroll`, halved while the forward would not fit
     one instruction-memory overlay (tiling.forward_program_bundles). v6e's Llama-3-8B heads with
     a soft cap (2048 x 512 stacked tiles) were a 72,071-bundle program in 7 overlays at 4, which
-    the grid loop reloads at every step; at 2 the estimate is 49k."""
+    the grid loop reloads at every step (66,828 with per-head masks); at 2 the estimate is 46k."""
     unroll = _fwd_unroll(tiles.block_kv // tiles.block_kv_compute)
     while unroll > 1:
         vregs = _forward_score_vregs(tiles, prob.groups, interior_q, unroll)
@@ -851,6 +903,7 @@ def _forward(
     exp_bf16=False,
     interior_q=None,
     walk_unroll=None,
+    mask_heads=1,
 ):
     """q5 [B, Hkv, G, Sq, D], k4/v4 [B, Hkv, Sk, D] (lengths already padded to the tiles);
     `walk_unroll`: the edge walk's full-group length (default `_fwd_unroll`)."""
@@ -925,6 +978,7 @@ def _forward(
         unroll=walk_unroll or _fwd_unroll(bk // bkc),
         exp_bf16=exp_bf16,
         interior_q=interior_q,
+        mask_heads=mask_heads,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -976,6 +1030,7 @@ def _dkdv_kernel(
     softcap,
     has_segments,
     tile_ranges,
+    mask_heads,
     fused_dq=False,
 ):
     """dk, dv for one kv block, accumulated over the kv-major list's q blocks. Per item, each kv
@@ -1029,8 +1084,8 @@ def _dkdv_kernel(
         if masked:
             ids = (kseg_ref[keys, 0:1], qseg_ref[j][0:1, :]) if has_segments else None
             t0, u0 = qi * block_q + j * bqc, ki * block_kv + c * bkc
-            mask = _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band, ids)
-            pt = jnp.where(mask, jnp.exp2(st - lse), 0.0)
+            mask = _tile_mask_t(mask_heads, bqc, bkc, t0, u0, seq, band, ids)
+            pt = _where_heads(mask, jnp.exp2(st - lse), 0.0, axis=1)
         else:
             pt = jnp.exp2(st - lse)
         dv_acc[keys, :] += jax.lax.dot_general(
@@ -1104,6 +1159,8 @@ def _dq_kernel(
     softcap,
     has_segments,
     tile_ranges,
+    mask_heads,
+    exp_bf16,
 ):
     """dq for one q block, accumulated in VMEM over the q-major list's kv blocks; compute tiles
     visited as in the forward."""
@@ -1147,14 +1204,14 @@ def _dq_kernel(
             s, cap = _base2_scores(s * score_scale, softcap)
             if masked:
                 ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
-                mask = _tile_mask(groups, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
-                p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+                mask = _tile_mask(mask_heads, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
+                p = _where_heads(mask, _probabilities(s, lse, exp_bf16), 0.0, axis=0)
             else:
-                p = jnp.exp2(s - lse)
+                p = _probabilities(s, lse, exp_bf16)
             dp = jax.lax.dot_general(
                 do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
-            ds = p * (dp - di)
+            ds = _score_grads(p, dp, di, exp_bf16)
             if softcap:
                 ds = ds * (1.0 - cap * cap)
             dq = jax.lax.dot_general(
@@ -1194,7 +1251,22 @@ def _slabs(x, tile):
     return jnp.swapaxes(x.reshape(*lead, G, S // tile, tile), -3, -2)
 
 
-def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles, interpret):
+def _backward(
+    q5,
+    k4,
+    v4,
+    o5,
+    lse,
+    do5,
+    seqs,
+    qseg,
+    kseg,
+    prob: _Problem,
+    tiles,
+    interpret,
+    exp_bf16,
+    mask_heads,
+):
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
     bq, bk = tiles.block_q_bwd, tiles.block_kv_bwd
@@ -1230,6 +1302,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         softcap=prob.softcap,
         has_segments=has_segments,
         tile_ranges=tile_ranges,
+        mask_heads=mask_heads,
     )
 
     def maps(layout):
@@ -1323,7 +1396,7 @@ def _backward(q5, k4, v4, o5, lse, do5, seqs, qseg, kseg, prob: _Problem, tiles,
         k_slabs = kseg_ids.reshape(B, Sk // bkc, 1, bkc)
         args += [qseg, jnp.broadcast_to(k_slabs, (B, Sk // bkc, NUM_SUBLANES, bkc))]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, layout=layout_q, **common),
+        functools.partial(_dq_kernel, layout=layout_q, exp_bf16=exp_bf16, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, Hkv, steps_q),
@@ -1530,6 +1603,7 @@ def flash_attention_fwd(
     o5, lse = _forward(
         q5, k4, v4, seqs, sinks, qseg, kseg, prob, tiles, interpret, exp_bf16, interior_q,
         walk_unroll=_walk_unroll(generation, tiles, prob, interior_q),
+        mask_heads=_mask_heads(generation, prob),
     )  # fmt: skip
     return _unpack_out(o5, varlen, sizes), _lse_out(lse, sizes)
 
@@ -1587,8 +1661,22 @@ def flash_attention_bwd(
 
     o5, do5 = to5(o), to5(do)
     lse5 = _lse_in(lse, prob)
+    exp_bf16 = _tiling.exp_in_bf16(generation, q.dtype)
     dq5, dk4, dv4, di = _backward(
-        q5, k4, v4, o5, lse5, do5, seqs, qseg, kseg, prob, tiles, interpret
+        q5,
+        k4,
+        v4,
+        o5,
+        lse5,
+        do5,
+        seqs,
+        qseg,
+        kseg,
+        prob,
+        tiles,
+        interpret,
+        exp_bf16,
+        _mask_heads(generation, prob),
     )
     dsinks = None
     if sinks is not None:

@@ -278,6 +278,20 @@ def exp_in_bf16(generation, dtype) -> bool:
     return gen.name in BF16_EXP_GENERATIONS
 
 
+# Masked score tiles build one head's mask and select it into the G heads a tile stacks
+# (kernel._where_heads: the compares on 1/G-th of the tile) except on v5e at head_dim > 128,
+# where the tile is MXU-bound (128-wide MXUs push a d=256 tile's matmuls twice) and the
+# per-head selects only reorder its chain. libtpu 0.0.42 deviceless dumps, the forward's masked
+# tail groups / full-group loop, whole-tile mask -> one head's: Llama-3-8B window 1024 (G=4)
+# v5e 14,719 / 9,756 -> 14,042 / 9,540, v6e 22,151 / 24,565 -> 19,980 / 23,381, TPU7x
+# 10,969 / 12,224 -> 9,374 / 11,271; Gemma-like d=256 window 4096 (G=2) v6e 13,805 / 14,893 ->
+# 12,975 / 14,369, TPU7x 14,383 / 15,276 -> 13,529 / 14,765, but v5e 12,459 / 8,576 -> 12,773 /
+# 8,852 (and 1.0% slower on the v5e chip). The backward's masked tiles take the same rule.
+def mask_per_head(generation, head_dim) -> bool:
+    """Whether masked tiles build one head's mask for the G heads they stack."""
+    return not (get_generation(generation).name == "v5e" and head_dim > 128)
+
+
 # The forward's interior items (every score tile mask-free: the bulk of a long causal or windowed
 # sequence) run the q block as taller compute tiles than the edge walk's, up to this many stacked
 # rows, on these generations: one row-max / exp / p @ v dependency chain per q tile leaves the
@@ -297,18 +311,22 @@ TALL_INTERIOR_GENERATIONS = ("v6e",)
 # FORWARD_FIXED_BUNDLES + score vregs x (per_vreg + per_vreg_d * (D / 128 - 1)) x (softcap with a
 # soft cap), fitted per generation on libtpu 0.0.42 deviceless dumps of Llama-3-8B heads (d=128)
 # at window 1024 with and without a soft cap of 30, and Gemma-like d=256 heads at window 4096
-# with a soft cap of 50 (`llo_schedule.py`; per_vreg_d: v5e's 128-wide MXUs push a d=256 tile's
+# with a soft cap of 50 (v5e: per_vreg also on the MQA point, the two within 3.6% either way;
+# refitted when masked tiles began to build one head's mask, `mask_per_head`, which made the
+# Llama programs 2-8% smaller) (`llo_schedule.py`; per_vreg_d: v5e's 128-wide MXUs push a d=256 tile's
 # two matmuls twice as often, v6e's and TPU7x's 256-wide ones about as often). A forward must
 # stay within `overlay`, the largest overlay seen holding one (`program_overlays`):
-# - v5e: Llama window 1024, 35 copies of 1024 x 256 tiles, 46,763 bundles, 48,332 with the soft
+# - v5e: Llama window 1024, 35 copies of 1024 x 256 tiles, 45,867 bundles, 46,944 with the soft
 #   cap; Gemma-like 41,087; 32 MQA heads on one KV head at 4096 tokens, one walk tile a group,
-#   55,899 (in a 56,176-bundle overlay; at groups of four 131,353 bundles in 11 overlays, 2.16x
-#   slower on the chip: benchmarks/program_size_probe.py);
-# - v6e: Llama window 1024, 18 copies of 2048 x 512, 60,776 bundles in a 61,120-bundle overlay;
-#   with the soft cap 72,071, which libtpu cut into 7 overlays; Gemma-like 37,404;
-# - TPU7x: Llama window 1024, 18 copies of 1024 x 512, 31,994 / 37,102 bundles; Gemma-like
-#   38,746; 48 / 8 heads with the soft cap at 8192 tokens 51,561 (in a 52,472-bundle overlay;
-#   estimated 53.7k, so the walk takes groups of two there: the estimate errs by up to ~6%).
+#   55,688 (55,899 in a 56,176-bundle overlay before the per-head masks; at groups of four
+#   131,353 bundles in 11 overlays, 2.16x slower on the chip: benchmarks/program_size_probe.py);
+# - v6e: Llama window 1024, 18 copies of 2048 x 512, 57,421 bundles (60,776 in a 61,120-bundle
+#   overlay before the per-head masks); with the soft cap 66,828, which libtpu cuts into 7
+#   overlays (72,071 before); Gemma-like 36,049;
+# - TPU7x: Llama window 1024, 18 copies of 1024 x 512, 29,446 / 34,887 bundles; Gemma-like
+#   37,381; 48 / 8 heads with the soft cap at 8192 tokens 50,066 in one 50,976-bundle overlay,
+#   estimated 50.3k: groups of four (two before the per-head masks: 51,561 bundles, estimated
+#   4% over the 52,472-bundle overlay it fitted).
 class ForwardCode(NamedTuple):
     per_vreg: float  # bundles per score vreg of a copy at D = 128
     per_vreg_d: float  # more per score vreg for each further 128 of D
@@ -318,9 +336,9 @@ class ForwardCode(NamedTuple):
 
 FORWARD_FIXED_BUNDLES = 4_000  # init, write-out loops, the grid step's own code
 FORWARD_CODE = {
-    "v5e": ForwardCode(4.773, 3.212, 1.037, 56_176),
-    "v6e": ForwardCode(3.080, 0.0, 1.199, 61_120),
-    "tpu7x": ForwardCode(3.038, 0.150, 1.183, 52_472),
+    "v5e": ForwardCode(4.855, 3.213, 1.026, 56_176),
+    "v6e": ForwardCode(2.898, 0.059, 1.176, 61_120),
+    "tpu7x": ForwardCode(2.761, 0.223, 1.214, 52_472),
 }
 
 
@@ -658,12 +676,17 @@ def fwd_tile_units(
 # benchmarks/results/tile_model_calibration.json "bwd_points"
 # holds the dumps: fitted on the Llama-3-8B points (role "calibration"; among fits within two
 # points of the best error there, the one with the smallest error on every point of its
-# group), the d=256 points held out.
+# group), the d=256 points held out. Refitted on every point re-dumped after masked tiles began
+# to build one head's mask (kernel._where_heads) and the dq pass took its exp in bf16 on v6e /
+# TPU7x: masks now cost 1-6 ops a score vreg; TPU7x dk/dv took, among the fits within the
+# tolerance, the one with the least spread of error over its Llama points, which keeps the
+# named cells' tiles (another fit moved TPU7x window 1024 to 512-row tiles, whose dk/dv tiles
+# the dumps put at 11-18% more bundles per score than the 1024-row ones).
 BWD_PASSES = ("dkv", "dq", "fused")
 BWD_VALU_PER_SCORE_VREG = {
     "v5e": {"dkv": (10.0, 13.0), "dq": (17.5, 0.3), "fused": (11.0, 18.1)},
-    "v6e": {"dkv": (9.0, 5.2), "dq": (9.0, 1.2), "fused": (11.0, 5.2)},
-    "tpu7x": {"dkv": (9.0, 5.2), "dq": (8.7, 2.3), "fused": (11.0, 6.4)},
+    "v6e": {"dkv": (9.0, 4.3), "dq": (9.4, 1.0), "fused": (11.0, 5.4)},
+    "tpu7x": {"dkv": (7.0, 6.0), "dq": (6.7, 2.0), "fused": (11.0, 5.0)},
 }
 BWD_VALU_PER_SCORE_VREG["v5p"] = BWD_VALU_PER_SCORE_VREG["v5e"]  # no v5p dump: v5e's (same VPU)
 _BWD_VALU_V6E = BWD_VALU_PER_SCORE_VREG["v6e"]  # generations without a fit of their own
@@ -677,15 +700,16 @@ _NO_FLOOR = {"dkv": (0, 0), "dq": (0, 0), "fused": (0, 0)}
 BWD_CHAIN_FLOOR_VALU = {
     "v5e": _NO_FLOOR,
     "v5p": _NO_FLOOR,
-    "v6e": {"dkv": (2420, 2760), "dq": (1150, 1310), "fused": (2770, 3080)},
-    "tpu7x": {"dkv": (2500, 2820), "dq": (1400, 1660), "fused": (2820, 3240)},
+    "v6e": {"dkv": (2420, 2440), "dq": (750, 750), "fused": (2770, 2810)},
+    "tpu7x": {"dkv": (2500, 2500), "dq": (1150, 1430), "fused": (2820, 3100)},
 }
 BWD_VALU_SOFTCAP_PER_SCORE_VREG = 4.0
-# A band with two edges (a sliding window) masks with a second interval end: v6e, Llama-3-8B
-# window 1024, a 1024 x 256 fused tile, masked loop 1849 bundles per tile against 1456 mask-free
-# (the one window point; the figure was fitted there with the full-rule mask, and the new fit
-# holds it within 1%).
-BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 3.2
+# A band with two edges (a sliding window) masks with a second interval end. The interval mask
+# computes both ends whatever the band, so it adds nothing: v6e, Llama-3-8B window 1024, a
+# 1024 x 256 fused tile, masked 1624 bundles per tile against 1456 mask-free, as a causal
+# tile's mask costs (the one window point; 3.2 when masks were built for every stacked head,
+# 1849 bundles then).
+BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 0.0
 # The model's largest error on the backward points (tests/test_flash_attention_kernel.py holds it
 # to this); the backward ranks with it as best_tiles' `within`. 0.11, not 0.1: v5e's unmasked
 # fused Llama-3-8B tile runs at MXU occupancy 0.93, below the shared MXU floor of tile_bundles
