@@ -97,11 +97,13 @@ def model_fields(point: dict) -> dict:
 
 
 def _dump(command: str) -> dict:
-    """The command's schedule summary, each innermost loop with its MXU branches (the regions a
-    forward branch skips, descended while one region holds all the loop's MXU work)."""
+    """The command's schedule summary, each innermost loop with its MXU branches
+    (schedule_model._mxu_branches over the loop's regions: the alternatives one iteration runs,
+    empty when its MXU work never splits)."""
     import tempfile
 
     import llo_schedule
+    import schedule_model
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,11 +117,11 @@ def _dump(command: str) -> dict:
     loops = sched.all_loops()
     assert len(loops) == len(summary["loops"]), command
     for loop, row in zip(loops, summary["loops"]):
+        if loop.children:
+            continue
         regions = [r for r in sched.regions(loop) if sched.region_segment(r).mxu_pushes]
-        while len(regions) == 1:
-            regions = [c for c in regions[0].children if sched.region_segment(c).mxu_pushes]
-        if not loop.children:
-            row["branches"] = [sched.region_segment(r).as_dict() for r in regions]
+        branches = schedule_model._mxu_branches(sched, regions)
+        row["branches"] = [sched.region_segment(r).as_dict() for r in branches]
     return summary
 
 

@@ -288,9 +288,9 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
 
 def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc] (groups=1: one
-    head's, for `_where_heads`): rows are the keys from u0, columns G heads of the bqc query tokens from t0 (the token is the column index
-    mod bqc); a key's query tokens form one interval. `ids`: (kv segment ids as a column
-    [bkc, 1], q ids as a row [1, bqc])."""
+    head's, for `_where_heads`): rows are the keys from u0, columns G heads of the bqc query
+    tokens from t0 (the token is the column index mod bqc); a key's query tokens form one
+    interval. `ids`: (kv segment ids as a column [bkc, 1], q ids as a row [1, bqc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
     u = jax.lax.broadcasted_iota(jnp.int32, (bkc, NUM_LANES), 0) + u0
     mask = _interval_mask(

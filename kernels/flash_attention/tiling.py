@@ -311,10 +311,10 @@ TALL_INTERIOR_GENERATIONS = ("v6e",)
 # FORWARD_FIXED_BUNDLES + score vregs x (per_vreg + per_vreg_d * (D / 128 - 1)) x (softcap with a
 # soft cap), fitted per generation on libtpu 0.0.42 deviceless dumps of Llama-3-8B heads (d=128)
 # at window 1024 with and without a soft cap of 30, and Gemma-like d=256 heads at window 4096
-# with a soft cap of 50 (v5e: per_vreg also on the MQA point, the two within 3.6% either way;
-# refitted when masked tiles began to build one head's mask, `mask_per_head`, which made the
-# Llama programs 2-8% smaller) (`llo_schedule.py`; per_vreg_d: v5e's 128-wide MXUs push a d=256 tile's
-# two matmuls twice as often, v6e's and TPU7x's 256-wide ones about as often). A forward must
+# with a soft cap of 50 (`llo_schedule.py`; v5e: per_vreg also on the MQA point, the two within
+# 3.6% either way; refitted when masked tiles began to build one head's mask, `mask_per_head`,
+# which made the Llama programs 2-8% smaller; per_vreg_d: v5e's 128-wide MXUs push a d=256
+# tile's two matmuls twice as often, v6e's and TPU7x's 256-wide ones about as often). A forward must
 # stay within `overlay`, the largest overlay seen holding one (`program_overlays`):
 # - v5e: Llama window 1024, 35 copies of 1024 x 256 tiles, 45,867 bundles, 46,944 with the soft
 #   cap; Gemma-like 41,087; 32 MQA heads on one KV head at 4096 tokens, one walk tile a group,
