@@ -604,7 +604,7 @@ MEASURED_FILES = (
     # four), the five named rows with edge items; v5e_flash_before_tail_groups.json the previous
     # kernel in the same session, v5e_flash_check_tail_groups.json the checks (backward too)
     "v5e_flash_tail_groups.json",
-    # masked tiles building one head's mask for the G heads they stack (kernel._where_heads), the
+    # masked tiles building one head's mask for the G heads they stack (kernel._where_heads then), the
     # six named rows with masked tiles; v5e_flash_before_head_masks.json the previous kernel in
     # the same session, v5e_flash_check_head_masks.json the checks (backward too). Gemma's row
     # there ran the per-head mask on v5e's d=256 tiles too, which tiling.mask_per_head then

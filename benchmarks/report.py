@@ -333,7 +333,7 @@ TRAINING_FILES = (
     "v5e_train_flash_chunked_finish.json",
     # ours' forward + backward with the edge walk's tail groups (kernel._groups), three shapes
     "v5e_train_flash_tail_groups.json",
-    # forward + backward with masked tiles building one head's mask (kernel._where_heads) in all
+    # forward + backward with masked tiles building one head's mask (kernel._masked_scores) in all
     # three kernels and the dq pass's bf16 exp (v6e / TPU7x only: not this chip), four shapes;
     # v5e_train_flash_before_head_masks.json the previous kernel in the same session (Gemma's row
     # ran the per-head mask on v5e's d=256 tiles, which tiling.mask_per_head then left out)

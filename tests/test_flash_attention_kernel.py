@@ -411,8 +411,11 @@ def _brute_pairs(seqs, nq, nk, bq, bk, band):
 def test_tile_masks_are_the_mask_rule(groups, bqc, bkc, t0, u0, seq, band):
     """The interval masks of a q-major tile (forward, dq) and of a kv-major tile (dk/dv), built
     for the whole tile of `groups` stacked heads (rows of a q-major tile, columns of a kv-major
-    one) or for one head (`tiling.mask_per_head`), applied by `_where_heads`, equal the rule:
-    t in [q_lo, q_hi), u in [k_lo, k_hi), lo <= u - t + off <= hi."""
+    one) or for one head (`tiling.mask_per_head`), applied to scores by `_masked_scores` (the
+    forward) and to probabilities by `_masked_probabilities` (the backward), equal the rule:
+    t in [q_lo, q_hi), u in [k_lo, k_hi), lo <= u - t + off <= hi; a masked score is exactly
+    NEG_INF (one head's mask is added as a bias, which absorbs the score), a masked probability
+    exactly 0."""
     q_lo, q_len, k_lo, k_len, off = seq
     seq = (q_lo, q_lo + q_len, k_lo, k_lo + k_len, off)
     big = K._UNBOUNDED
@@ -427,8 +430,14 @@ def test_tile_masks_are_the_mask_rule(groups, bqc, bkc, t0, u0, seq, band):
         q_mask = K._tile_mask(heads, bqc, bkc, t0, u0, seq, b)
         kv_mask = K._tile_mask_t(heads, bqc, bkc, t0, u0, seq, b)
         assert q_mask.shape == (heads * bqc, bkc) and kv_mask.shape == (bkc, heads * bqc)
-        q_major = K._where_heads(q_mask, tile, 0.0, axis=0)
-        kv_major = K._where_heads(kv_mask, tile.T, 0.0, axis=1)
+        q_major = K._masked_scores(q_mask, tile, axis=0)
+        kv_major = K._masked_scores(kv_mask, tile.T, axis=1)
+        np.testing.assert_array_equal(np.asarray(q_major), np.where(want, tile, K.NEG_INF))
+        np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, K.NEG_INF).T)
+        # The backward's form, through a stand-in for the exp that keeps distinct values.
+        probs = functools.partial(jnp.maximum, 0.0)
+        q_major = K._masked_probabilities(q_mask, tile, probs, axis=0)
+        kv_major = K._masked_probabilities(kv_mask, tile.T, probs, axis=1)
         np.testing.assert_array_equal(np.asarray(q_major), np.where(want, tile, 0.0))
         np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, 0.0).T)
 

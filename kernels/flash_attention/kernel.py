@@ -40,11 +40,11 @@ two at a time when a tile is <= 512 x 512 stacked rows x keys (on v6e the interi
 taller than the edge walk's, `tiling.interior_q_compute`, so fewer, longer chains fill the MXU
 gaps instead); edge items run groups of FWD_UNROLL mask-free tiles, and the
 remainder joins the masked edge tiles in masked groups. A masked tile builds the mask of one
-head's rows and selects it into each of the G heads the tile stacks (`_where_heads`; not on v5e
-at d > 128, `tiling.mask_per_head`). Scores are base 2 (exp2, log2(e) and the
-softmax scale folded into the q tile once per group), the rescale exp is one per row per tile, and
-1 / l is taken once at the end. At the last item of a q block the output and the log-sum-exp
-(lse, used by the backward) are written.
+head's rows and adds it, as a 0 / NEG_INF bias, to each of the G heads the tile stacks
+(`_masked_scores`; not on v5e at d > 128, `tiling.mask_per_head`). Scores are base 2 (exp2,
+log2(e) and the softmax scale folded into the q tile once per group), the rescale exp is one
+per row per tile, and 1 / l is taken once at the end. At the last item of a q block the output
+and the log-sum-exp (lse, used by the backward) are written.
 
 Backward: the same large-block / small-tile scheme (`_inner_ranges` serves all three kernels).
 dk/dv walk q blocks for each kv block (kv-major list): each kv slice visits the q tiles that can
@@ -272,7 +272,7 @@ def _interval_mask(x, x_seq, y0, y_seq, off, band: Band, n_cols, mirrored=False,
 
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass; groups=1: one head's,
-    which `_where_heads` applies to the G heads a tile stacks): rows stack G heads of the bqc
+    which `_masked_scores` applies to the G heads a tile stacks): rows stack G heads of the bqc
     query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0;
     a row's keys form one interval (`_interval_mask`). `ids`: (q segment ids as a column
     [bqc, 1], kv ids as a row [1, bkc])."""
@@ -288,7 +288,7 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
 
 def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc] (groups=1: one
-    head's, for `_where_heads`): rows are the keys from u0, columns G heads of the bqc query
+    head's, for `_masked_probabilities`): rows are the keys from u0, columns G heads of the bqc query
     tokens from t0 (the token is the column index mod bqc); a key's query tokens form one
     interval. `ids`: (kv segment ids as a column [bkc, 1], q ids as a row [1, bqc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
@@ -322,23 +322,47 @@ def _score_grads(p, dp, di, exp_bf16):
     return p * (dp - di)
 
 
-def _where_heads(mask, x, fill, axis):
-    """where(mask, x, fill) on a score tile that stacks G heads of the same tokens along `axis`
-    (0: the q-major tiles of the forward and the dq pass, [G*bqc, bkc]; 1: the dk/dv pass's
-    transposed tiles, [bkc, G*bqc]), `mask` either the whole tile's or one head's ([bqc, bkc] /
-    [bkc, bqc], where `tiling.mask_per_head`): the heads share their tokens' mask, so its
-    compares run on 1/G-th of the tile. TPU7x, Llama-3-8B window 1024, the forward's masked
-    tail groups: 10,969 -> 9,374 bundles (the whole tile's mask took four compares per score
-    vreg)."""
-    groups = x.shape[axis] // mask.shape[axis]
+def _masked_scores(mask, s, axis):
+    """s where `mask` holds, NEG_INF elsewhere, on a score tile that stacks G heads of the same
+    tokens along `axis` (0: the forward's q-major tiles, [G*bqc, bkc]; 1: transposed tiles,
+    [bkc, G*bqc]; the backward masks by `_masked_probabilities`). `mask` is the whole tile's or
+    one head's ([bqc, bkc] / [bkc, bqc], where `tiling.mask_per_head`): the heads share their
+    tokens' mask, so its compares run on 1/G-th of the tile. One head's mask becomes an additive bias (0 or
+    NEG_INF, f32 data) that each head adds: a mask register reused by G selects is spilled as
+    0/1 data and re-tested (`vnez`) before every select, two VALU ops per score vreg where the
+    add is one. v6e, Llama-3-8B window 1024, the forward's masked group of four:
+    13,136 -> 12,629 bundles (1.28x -> 1.23x the mask-free group), TPU7x 6,137 -> 5,872 (1.20x ->
+    1.15x). A masked score is NEG_INF plus a score far below NEG_INF's
+    rounding step (or -inf past it): exp2 of it minus the running max or the lse is 0, and a
+    row's max stays at NEG_INF until it sees a key, as with the select."""
+    groups = s.shape[axis] // mask.shape[axis]
     if groups == 1:
-        return jnp.where(mask, x, fill)
+        return jnp.where(mask, s, NEG_INF)
+    bias = jnp.where(mask, 0.0, NEG_INF)
     if axis == 0:
         rows, cols = mask.shape
-        return jnp.where(mask[None], x.reshape(groups, rows, cols), fill).reshape(x.shape)
+        return (s.reshape(groups, rows, cols) + bias[None]).reshape(s.shape)
+    return s + jnp.concatenate([bias] * groups, axis=1)
+
+
+def _masked_probabilities(mask, s, probabilities, axis):
+    """The backward's probabilities of a masked tile, `probabilities(s)` where `mask` holds and 0
+    elsewhere (tiles stacking G heads along `axis` as `_masked_scores`'). A whole tile's mask
+    (G = 1) masks the scores before the exp; one head's mask selects each head's probabilities,
+    its lane or row slices (the forward's bias add made these passes slower: TPU7x Llama-3-8B
+    dq 1024 x 512 masked tiles 1,851 -> 1,997 bundles, v6e dk/dv 2,417 -> 2,694, while a whole
+    tile's mask before the exp took d=256 b2's TPU7x dq tiles 747 -> 694 and v6e dk/dv 512 x 512
+    tiles 1,579 -> 1,459; `bwd_dump_points.py`)."""
+    groups = s.shape[axis] // mask.shape[axis]
+    if groups == 1:
+        return probabilities(jnp.where(mask, s, NEG_INF))
+    p = probabilities(s)
+    if axis == 0:
+        rows, cols = mask.shape
+        return jnp.where(mask[None], p.reshape(groups, rows, cols), 0.0).reshape(p.shape)
     n = mask.shape[1]
     return jnp.concatenate(
-        [jnp.where(mask, x[:, g * n : (g + 1) * n], fill) for g in range(groups)], axis=1
+        [jnp.where(mask, p[:, g * n : (g + 1) * n], 0.0) for g in range(groups)], axis=1
     )
 
 
@@ -548,7 +572,7 @@ def _fwd_kernel(
             # A row that has seen no key yet keeps m = NEG_INF and gathers exp2(0) = 1 per
             # masked key; the first key it sees scales that away (alpha = 0), and a row that
             # never sees one is told apart by m at the end.
-            s = _where_heads(mask, s, NEG_INF, axis=0)
+            s = _masked_scores(mask, s, axis=0)
         m_new = jnp.maximum(m, _row_reduce(s, jnp.maximum))
         if exp_bf16:
             # bf16 EUP/VPU (v6e, TPU7x): the exponent is formed in f32 (s and m are large and
@@ -831,7 +855,7 @@ def _forward_score_vregs(tiles, groups, interior_q, unroll):
 
 def _mask_heads(generation, prob: _Problem):
     """The heads a masked tile builds its mask for (`_tile_mask`): one, shared by the G heads the
-    tile stacks (`_where_heads`), where tiling.mask_per_head says it pays, else all G."""
+    tile stacks (`_masked_scores`), where tiling.mask_per_head says it pays, else all G."""
     return 1 if _tiling.mask_per_head(generation, prob.head_dim) else prob.groups
 
 
@@ -1085,7 +1109,7 @@ def _dkdv_kernel(
             ids = (kseg_ref[keys, 0:1], qseg_ref[j][0:1, :]) if has_segments else None
             t0, u0 = qi * block_q + j * bqc, ki * block_kv + c * bkc
             mask = _tile_mask_t(mask_heads, bqc, bkc, t0, u0, seq, band, ids)
-            pt = _where_heads(mask, jnp.exp2(st - lse), 0.0, axis=1)
+            pt = _masked_probabilities(mask, st, lambda x: jnp.exp2(x - lse), axis=1)
         else:
             pt = jnp.exp2(st - lse)
         dv_acc[keys, :] += jax.lax.dot_general(
@@ -1205,7 +1229,9 @@ def _dq_kernel(
             if masked:
                 ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
                 mask = _tile_mask(mask_heads, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
-                p = _where_heads(mask, _probabilities(s, lse, exp_bf16), 0.0, axis=0)
+                p = _masked_probabilities(
+                    mask, s, lambda x: _probabilities(x, lse, exp_bf16), axis=0
+                )
             else:
                 p = _probabilities(s, lse, exp_bf16)
             dp = jax.lax.dot_general(

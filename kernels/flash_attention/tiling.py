@@ -279,7 +279,7 @@ def exp_in_bf16(generation, dtype) -> bool:
 
 
 # Masked score tiles build one head's mask and select it into the G heads a tile stacks
-# (kernel._where_heads: the compares on 1/G-th of the tile) except on v5e at head_dim > 128,
+# (kernel._masked_scores: the compares on 1/G-th of the tile) except on v5e at head_dim > 128,
 # where the tile is MXU-bound (128-wide MXUs push a d=256 tile's matmuls twice) and the
 # per-head selects only reorder its chain. libtpu 0.0.42 deviceless dumps, the forward's masked
 # tail groups / full-group loop, whole-tile mask -> one head's: Llama-3-8B window 1024 (G=4)
@@ -677,7 +677,7 @@ def fwd_tile_units(
 # holds the dumps: fitted on the Llama-3-8B points (role "calibration"; among fits within two
 # points of the best error there, the one with the smallest error on every point of its
 # group), the d=256 points held out. Refitted on every point re-dumped after masked tiles began
-# to build one head's mask (kernel._where_heads) and the dq pass took its exp in bf16 on v6e /
+# to build one head's mask (kernel._masked_scores) and the dq pass took its exp in bf16 on v6e /
 # TPU7x: masks now cost 1-6 ops a score vreg; TPU7x dk/dv took, among the fits within the
 # tolerance, the one with the least spread of error over its Llama points, which keeps the
 # named cells' tiles (another fit moved TPU7x window 1024 to 512-row tiles, whose dk/dv tiles
