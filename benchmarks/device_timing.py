@@ -604,14 +604,18 @@ MEASURED_FILES = (
     # four), the five named rows with edge items; v5e_flash_before_tail_groups.json the previous
     # kernel in the same session, v5e_flash_check_tail_groups.json the checks (backward too)
     "v5e_flash_tail_groups.json",
-    # masked tiles building one head's mask for the G heads they stack (kernel._where_heads then), the
-    # six named rows with masked tiles; v5e_flash_before_head_masks.json the previous kernel in
+    # masked tiles building one head's mask for the G heads they stack (then kernel._where_heads),
+    # the six named rows with masked tiles; v5e_flash_before_head_masks.json the previous kernel in
     # the same session, v5e_flash_check_head_masks.json the checks (backward too). Gemma's row
     # there ran the per-head mask on v5e's d=256 tiles too, which tiling.mask_per_head then
     # left out (1.0% slower): v5e_flash_head_masks_v5e_d256.json times the kernel as it is
     # (Gemma, and window 1024 again: 1228.8 against 1228.1 us)
     "v5e_flash_head_masks.json",
     "v5e_flash_head_masks_v5e_d256.json",
+    # the forward adding one head's mask to the G heads as a 0 / NEG_INF bias
+    # (kernel._masked_scores), four named rows; v5e_flash_before_bias_mask.json the previous
+    # kernel in the same session, v5e_flash_check_bias_mask.json the checks (backward too)
+    "v5e_flash_bias_mask.json",
 )
 
 

@@ -333,11 +333,14 @@ TRAINING_FILES = (
     "v5e_train_flash_chunked_finish.json",
     # ours' forward + backward with the edge walk's tail groups (kernel._groups), three shapes
     "v5e_train_flash_tail_groups.json",
-    # forward + backward with masked tiles building one head's mask (kernel._masked_scores) in all
-    # three kernels and the dq pass's bf16 exp (v6e / TPU7x only: not this chip), four shapes;
+    # forward + backward with masked tiles building one head's mask (then kernel._where_heads) in
+    # all three kernels and the dq pass's bf16 exp (v6e / TPU7x only: not this chip), four shapes;
     # v5e_train_flash_before_head_masks.json the previous kernel in the same session (Gemma's row
     # ran the per-head mask on v5e's d=256 tiles, which tiling.mask_per_head then left out)
     "v5e_train_flash_head_masks.json",
+    # forward + backward with the forward adding one head's mask as a bias (kernel._masked_scores),
+    # two shapes; v5e_train_flash_before_bias_mask.json the previous kernel in the same session
+    "v5e_train_flash_bias_mask.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
