@@ -204,6 +204,7 @@ def test_softmax_path_per_generation(gen):
     bf16 = gen in ("v6e", "tpu7x")
     assert T.exp_in_bf16(gen, jnp.bfloat16) == bf16
     assert T.mask_per_head(gen, 128) and T.mask_per_head(gen, 256) == (gen != "v5e")
+    assert T.mask_scores_before_exp(gen) == (gen != "v5e")
     assert not T.exp_in_bf16(gen, jnp.float32)
     tall = T.interior_q_compute(gen, WIDE, 2, 64, 2, False)
     assert tall == (WIDE.block_q if gen == "v6e" else WIDE.q_compute)
@@ -223,10 +224,12 @@ def test_softmax_path_per_generation(gen):
     assert t.block_q % bqi == 0 and bqi >= t.q_compute
     need = T.vmem_need_fwd(1, 256, 2, t.block_q, t.block_kv, t.block_kv_compute, False, bqi)
     assert need * 1.25 + 2 * 2**20 <= t.vmem_limit_bytes
-    # v5e at d=256 also builds each masked tile's mask for all its heads (tiling.mask_per_head).
-    for D in (64, 256) if gen == "v5e" else (64,):
+    # v5e at d=256 also builds each masked tile's mask for all its heads (tiling.mask_per_head);
+    # one q head per KV head masks whole tiles, the backward its scores or its probabilities
+    # (tiling.mask_scores_before_exp).
+    for hq, D in ((4, 64), (2, 64), (4, 256)) if gen == "v5e" else ((4, 64), (2, 64)):
         q, k, v, s, qseg, kseg, cfg = _dense_case(
-            1, 4, 2, 200, 200, D, jnp.bfloat16, True, (90, 0), 0.0, True, False, seed=5
+            1, hq, 2, 200, 200, D, jnp.bfloat16, True, (90, 0), 0.0, True, False, seed=5
         )
         _check_dense(q, k, v, s, qseg, kseg, cfg, tiles=WIDE, generation=gen)
 
@@ -436,10 +439,11 @@ def test_tile_masks_are_the_mask_rule(groups, bqc, bkc, t0, u0, seq, band):
         np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, K.NEG_INF).T)
         # The backward's form, through a stand-in for the exp that keeps distinct values.
         probs = functools.partial(jnp.maximum, 0.0)
-        q_major = K._masked_probabilities(q_mask, tile, probs, axis=0)
-        kv_major = K._masked_probabilities(kv_mask, tile.T, probs, axis=1)
-        np.testing.assert_array_equal(np.asarray(q_major), np.where(want, tile, 0.0))
-        np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, 0.0).T)
+        for scores_first in (False, True):
+            q_major = K._masked_probabilities(q_mask, tile, probs, 0, scores_first)
+            kv_major = K._masked_probabilities(kv_mask, tile.T, probs, 1, scores_first)
+            np.testing.assert_array_equal(np.asarray(q_major), np.where(want, tile, 0.0))
+            np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, 0.0).T)
 
 
 @pytest.mark.parametrize("kv_major", [False, True])

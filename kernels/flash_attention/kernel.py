@@ -345,17 +345,18 @@ def _masked_scores(mask, s, axis):
     return s + jnp.concatenate([bias] * groups, axis=1)
 
 
-def _masked_probabilities(mask, s, probabilities, axis):
+def _masked_probabilities(mask, s, probabilities, axis, scores_first):
     """The backward's probabilities of a masked tile, `probabilities(s)` where `mask` holds and 0
-    elsewhere (tiles stacking G heads along `axis` as `_masked_scores`'). A whole tile's mask
-    (G = 1) masks the scores before the exp; one head's mask selects each head's probabilities,
-    its lane or row slices (the forward's bias add made these passes slower: TPU7x Llama-3-8B
-    dq 1024 x 512 masked tiles 1,851 -> 1,997 bundles, v6e dk/dv 2,417 -> 2,694, while a whole
-    tile's mask before the exp took d=256 b2's TPU7x dq tiles 747 -> 694 and v6e dk/dv 512 x 512
-    tiles 1,579 -> 1,459; `bwd_dump_points.py`)."""
+    elsewhere (tiles stacking G heads along `axis` as `_masked_scores`'). One head's mask selects
+    each head's probabilities, its lane or row slices (the forward's bias add made these passes
+    slower: TPU7x Llama-3-8B dq 1024 x 512 masked tiles 1,851 -> 1,997 bundles, v6e dk/dv
+    2,417 -> 2,694). A whole tile's mask (G = 1) masks the scores before the exp where
+    `scores_first` (tiling.mask_scores_before_exp), else it selects the probabilities."""
     groups = s.shape[axis] // mask.shape[axis]
     if groups == 1:
-        return probabilities(jnp.where(mask, s, NEG_INF))
+        if scores_first:
+            return probabilities(jnp.where(mask, s, NEG_INF))
+        return jnp.where(mask, probabilities(s), 0.0)
     p = probabilities(s)
     if axis == 0:
         rows, cols = mask.shape
@@ -1055,6 +1056,7 @@ def _dkdv_kernel(
     has_segments,
     tile_ranges,
     mask_heads,
+    mask_scores_first,
     fused_dq=False,
 ):
     """dk, dv for one kv block, accumulated over the kv-major list's q blocks. Per item, each kv
@@ -1109,7 +1111,7 @@ def _dkdv_kernel(
             ids = (kseg_ref[keys, 0:1], qseg_ref[j][0:1, :]) if has_segments else None
             t0, u0 = qi * block_q + j * bqc, ki * block_kv + c * bkc
             mask = _tile_mask_t(mask_heads, bqc, bkc, t0, u0, seq, band, ids)
-            pt = _masked_probabilities(mask, st, lambda x: jnp.exp2(x - lse), axis=1)
+            pt = _masked_probabilities(mask, st, lambda x: jnp.exp2(x - lse), 1, mask_scores_first)
         else:
             pt = jnp.exp2(st - lse)
         dv_acc[keys, :] += jax.lax.dot_general(
@@ -1184,6 +1186,7 @@ def _dq_kernel(
     has_segments,
     tile_ranges,
     mask_heads,
+    mask_scores_first,
     exp_bf16,
 ):
     """dq for one q block, accumulated in VMEM over the q-major list's kv blocks; compute tiles
@@ -1230,7 +1233,7 @@ def _dq_kernel(
                 ids = (qseg_ref[rows, 0:1], kseg_ref[c][0:1, :]) if has_segments else None
                 mask = _tile_mask(mask_heads, bqc, bkc, t0, ki * block_kv + c * bkc, seq, band, ids)
                 p = _masked_probabilities(
-                    mask, s, lambda x: _probabilities(x, lse, exp_bf16), axis=0
+                    mask, s, lambda x: _probabilities(x, lse, exp_bf16), 0, mask_scores_first
                 )
             else:
                 p = _probabilities(s, lse, exp_bf16)
@@ -1292,6 +1295,7 @@ def _backward(
     interpret,
     exp_bf16,
     mask_heads,
+    mask_scores_first,
 ):
     B, Hkv, G, Sq, D = q5.shape
     Sk = k4.shape[2]
@@ -1329,6 +1333,7 @@ def _backward(
         has_segments=has_segments,
         tile_ranges=tile_ranges,
         mask_heads=mask_heads,
+        mask_scores_first=mask_scores_first,
     )
 
     def maps(layout):
@@ -1703,6 +1708,7 @@ def flash_attention_bwd(
         interpret,
         exp_bf16,
         _mask_heads(generation, prob),
+        _tiling.mask_scores_before_exp(generation),
     )
     dsinks = None
     if sinks is not None:

@@ -292,6 +292,17 @@ def mask_per_head(generation, head_dim) -> bool:
     return not (get_generation(generation).name == "v5e" and head_dim > 128)
 
 
+# The backward's whole-tile masks (one q head per KV head, or v5e at d > 128) mask the scores
+# before the exp (kernel._masked_probabilities) except on v5e. libtpu 0.0.42 deviceless dumps of
+# d=256 b2 8192 causal's masked tiles (benchmarks/bwd_dump_points.py), probabilities selected ->
+# scores masked: TPU7x dq 256 x 512 747 -> 694 bundles, fused 512 x 512 1,683 -> 1,541; v6e dk/dv
+# 512 x 512 1,579 -> 1,459, fused 1,855 -> 1,754; v5e fused 256 x 256 1,255 -> 1,295 and dk/dv
+# 1,056 -> 1,062 (worse), dq 766.5 -> 765.
+def mask_scores_before_exp(generation) -> bool:
+    """Whether the backward masks a whole tile's scores (else its probabilities)."""
+    return get_generation(generation).name != "v5e"
+
+
 # The forward's interior items (every score tile mask-free: the bulk of a long causal or windowed
 # sequence) run the q block as taller compute tiles than the edge walk's, up to this many stacked
 # rows, on these generations: one row-max / exp / p @ v dependency chain per q tile leaves the
