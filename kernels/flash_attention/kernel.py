@@ -327,14 +327,17 @@ def _masked_scores(mask, s, axis):
     tokens along `axis` (0: the forward's q-major tiles, [G*bqc, bkc]; 1: transposed tiles,
     [bkc, G*bqc]; the backward masks by `_masked_probabilities`). `mask` is the whole tile's or
     one head's ([bqc, bkc] / [bkc, bqc], where `tiling.mask_per_head`): the heads share their
-    tokens' mask, so its compares run on 1/G-th of the tile. One head's mask becomes an additive bias (0 or
-    NEG_INF, f32 data) that each head adds: a mask register reused by G selects is spilled as
-    0/1 data and re-tested (`vnez`) before every select, two VALU ops per score vreg where the
-    add is one. v6e, Llama-3-8B window 1024, the forward's masked group of four:
-    13,136 -> 12,629 bundles (1.28x -> 1.23x the mask-free group), TPU7x 6,137 -> 5,872 (1.20x ->
-    1.15x). A masked score is NEG_INF plus a score far below NEG_INF's
-    rounding step (or -inf past it): exp2 of it minus the running max or the lse is 0, and a
-    row's max stays at NEG_INF until it sees a key, as with the select."""
+    tokens' mask, so its compares run on 1/G-th of the tile.
+
+    One head's mask becomes an additive bias (0 or NEG_INF, f32 data) that each head adds: a
+    mask register reused by G selects is spilled as 0/1 data and re-tested (`vnez`) before
+    every select, two VALU ops per score vreg where the add is one. v6e, Llama-3-8B window 1024,
+    the forward's masked group of four: 13,136 -> 12,629 bundles (1.28x -> 1.23x the mask-free
+    group), TPU7x 6,137 -> 5,872 (1.20x -> 1.15x). A masked score is NEG_INF plus a score far
+    below NEG_INF's rounding step (or -inf past it): exp2 of it minus the running max is 0, and
+    a row's max stays at NEG_INF until it sees a key, as with the select. Unlike the select,
+    the add keeps a masked key's NaN or inf score; its value must be finite anyway (its
+    probability 0 meets it in p @ v)."""
     groups = s.shape[axis] // mask.shape[axis]
     if groups == 1:
         return jnp.where(mask, s, NEG_INF)
