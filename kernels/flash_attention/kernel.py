@@ -272,10 +272,10 @@ def _interval_mask(x, x_seq, y0, y_seq, off, band: Band, n_cols, mirrored=False,
 
 def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """Mask of a q-major score tile [G*bqc, bkc] (forward and dq pass; groups=1: one head's,
-    which `_masked_scores` applies to the G heads a tile stacks): rows stack G heads of the bqc
-    query tokens from t0 (the token is the row index mod bqc), columns are the keys from u0;
-    a row's keys form one interval (`_interval_mask`). `ids`: (q segment ids as a column
-    [bqc, 1], kv ids as a row [1, bkc])."""
+    which `_masked_scores` / `_masked_probabilities` apply to the G heads a tile stacks): rows
+    stack G heads of the bqc query tokens from t0 (the token is the row index mod bqc), columns
+    are the keys from u0; a row's keys form one interval (`_interval_mask`). `ids`: (q segment
+    ids as a column [bqc, 1], kv ids as a row [1, bkc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
     t = (jax.lax.broadcasted_iota(jnp.int32, (groups * bqc, NUM_LANES), 0) & (bqc - 1)) + t0
     mask = _interval_mask(t, (q_lo, q_hi), u0, (k_lo, k_hi), off, band, bkc)
@@ -288,8 +288,8 @@ def _tile_mask(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
 
 def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None):
     """`_tile_mask` of the transposed tile the dk/dv pass computes, [bkc, G*bqc] (groups=1: one
-    head's, for `_masked_probabilities`): rows are the keys from u0, columns G heads of the bqc query
-    tokens from t0 (the token is the column index mod bqc); a key's query tokens form one
+    head's, for `_masked_probabilities`): rows are the keys from u0, columns G heads of the bqc
+    query tokens from t0 (the token is the column index mod bqc); a key's query tokens form one
     interval. `ids`: (kv segment ids as a column [bkc, 1], q ids as a row [1, bqc])."""
     q_lo, q_hi, k_lo, k_hi, off = seq
     u = jax.lax.broadcasted_iota(jnp.int32, (bkc, NUM_LANES), 0) + u0
@@ -322,12 +322,11 @@ def _score_grads(p, dp, di, exp_bf16):
     return p * (dp - di)
 
 
-def _masked_scores(mask, s, axis):
-    """s where `mask` holds, NEG_INF elsewhere, on a score tile that stacks G heads of the same
-    tokens along `axis` (0: the forward's q-major tiles, [G*bqc, bkc]; 1: transposed tiles,
-    [bkc, G*bqc]; the backward masks by `_masked_probabilities`). `mask` is the whole tile's or
-    one head's ([bqc, bkc] / [bkc, bqc], where `tiling.mask_per_head`): the heads share their
-    tokens' mask, so its compares run on 1/G-th of the tile.
+def _masked_scores(mask, s):
+    """s where `mask` holds, NEG_INF elsewhere, on the forward's q-major score tile that stacks G
+    heads of the same tokens, [G*bqc, bkc] (the backward masks by `_masked_probabilities`).
+    `mask` is the whole tile's or one head's ([bqc, bkc], where `tiling.mask_per_head`): the
+    heads share their tokens' mask, so its compares run on 1/G-th of the tile.
 
     One head's mask becomes an additive bias (0 or NEG_INF, f32 data) that each head adds: a
     mask register reused by G selects is spilled as 0/1 data and re-tested (`vnez`) before
@@ -338,19 +337,19 @@ def _masked_scores(mask, s, axis):
     a row's max stays at NEG_INF until it sees a key, as with the select. Unlike the select,
     the add keeps a masked key's NaN or inf score; its value must be finite anyway (its
     probability 0 meets it in p @ v)."""
-    groups = s.shape[axis] // mask.shape[axis]
+    groups = s.shape[0] // mask.shape[0]
     if groups == 1:
         return jnp.where(mask, s, NEG_INF)
+    rows, cols = mask.shape
     bias = jnp.where(mask, 0.0, NEG_INF)
-    if axis == 0:
-        rows, cols = mask.shape
-        return (s.reshape(groups, rows, cols) + bias[None]).reshape(s.shape)
-    return s + jnp.concatenate([bias] * groups, axis=1)
+    return (s.reshape(groups, rows, cols) + bias[None]).reshape(s.shape)
 
 
 def _masked_probabilities(mask, s, probabilities, axis, scores_first):
     """The backward's probabilities of a masked tile, `probabilities(s)` where `mask` holds and 0
-    elsewhere (tiles stacking G heads along `axis` as `_masked_scores`'). One head's mask selects
+    elsewhere, on a tile stacking G heads of the same tokens along `axis` (0: the dq pass's
+    q-major tiles, [G*bqc, bkc]; 1: the dk/dv pass's transposed ones, [bkc, G*bqc]), `mask` the
+    whole tile's or one head's (`_masked_scores`). One head's mask selects
     each head's probabilities, its lane or row slices (the forward's bias add made these passes
     slower: TPU7x Llama-3-8B dq 1024 x 512 masked tiles 1,851 -> 1,997 bundles, v6e dk/dv
     2,417 -> 2,694). A whole tile's mask (G = 1) masks the scores before the exp where
@@ -576,7 +575,7 @@ def _fwd_kernel(
             # A row that has seen no key yet keeps m = NEG_INF and gathers exp2(0) = 1 per
             # masked key; the first key it sees scales that away (alpha = 0), and a row that
             # never sees one is told apart by m at the end.
-            s = _masked_scores(mask, s, axis=0)
+            s = _masked_scores(mask, s)
         m_new = jnp.maximum(m, _row_reduce(s, jnp.maximum))
         if exp_bf16:
             # bf16 EUP/VPU (v6e, TPU7x): the exponent is formed in f32 (s and m are large and

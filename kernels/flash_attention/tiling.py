@@ -278,15 +278,17 @@ def exp_in_bf16(generation, dtype) -> bool:
     return gen.name in BF16_EXP_GENERATIONS
 
 
-# Masked score tiles build one head's mask and select it into the G heads a tile stacks
-# (kernel._masked_scores: the compares on 1/G-th of the tile) except on v5e at head_dim > 128,
+# Masked score tiles build one head's mask and apply it to the G heads a tile stacks (the
+# compares on 1/G-th of the tile; kernel._masked_scores adds it as a bias in the forward,
+# kernel._masked_probabilities selects in the backward) except on v5e at head_dim > 128,
 # where the tile is MXU-bound (128-wide MXUs push a d=256 tile's matmuls twice) and the
 # per-head selects only reorder its chain. libtpu 0.0.42 deviceless dumps, the forward's masked
 # tail groups / full-group loop, whole-tile mask -> one head's: Llama-3-8B window 1024 (G=4)
 # v5e 14,719 / 9,756 -> 14,042 / 9,540, v6e 22,151 / 24,565 -> 19,980 / 23,381, TPU7x
 # 10,969 / 12,224 -> 9,374 / 11,271; Gemma-like d=256 window 4096 (G=2) v6e 13,805 / 14,893 ->
 # 12,975 / 14,369, TPU7x 14,383 / 15,276 -> 13,529 / 14,765, but v5e 12,459 / 8,576 -> 12,773 /
-# 8,852 (and 1.0% slower on the v5e chip). The backward's masked tiles take the same rule.
+# 8,852 (and 1.0% slower on the v5e chip), measured with the per-head select before the bias.
+# The backward's masked tiles take the same rule.
 def mask_per_head(generation, head_dim) -> bool:
     """Whether masked tiles build one head's mask for the G heads they stack."""
     return not (get_generation(generation).name == "v5e" and head_dim > 128)
