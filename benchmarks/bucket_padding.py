@@ -246,7 +246,8 @@ def flash_side(total, cu, generation) -> Side:
 
     key = (t.block_q, t.q_compute, t.block_kv, t.block_kv_compute)
     args = {"total": total, "seqs": len(cu) - 1, "tiles": dataclasses.asdict(t)}
-    return Side("flash_attention", key, args, total, cost, ours.flash_branch_pushes(cost))
+    pushes = ours.flash_tile_pushes(T, generation, t, HQ // HKV, D)
+    return Side("flash_attention", key, args, total, cost, ours.flash_branch_pushes(cost, pushes))
 
 
 def paged_side(q_lens, kv_lens, num_tokens, max_seqs, generation) -> Side:

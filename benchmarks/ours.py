@@ -273,14 +273,22 @@ def paged_trips(runs: dict) -> dict:
     return {"branch_runs": [float(r) for r in runs.values()]}
 
 
-def flash_branch_pushes(cost) -> dict | None:
+def flash_tile_pushes(tiling, generation, tiles, groups: int, head_dim: int) -> int:
+    """MXU pushes of one (G x block_q_compute) x block_kv_compute score tile of the forward, the
+    unit its masked tiles and the work list's tile counts come in (an interior item's taller
+    tiles, tiling.interior_q_compute, push the same per score)."""
+    gen = tiling.get_generation(generation)
+    rows = groups * tiles.q_compute
+    return tiling.fwd_tile_units(gen, rows, tiles.block_kv_compute, head_dim)["mxu_pushes"]
+
+
+def flash_branch_pushes(cost, tile_pushes: int) -> dict | None:
     """`branch_pushes` of a flash forward call from its KernelCost: its unmasked tiles' MXU
-    pushes (interior path) and its masked tiles' (edge walk)."""
+    pushes (interior path) and its masked tiles' (edge walk), `tile_pushes` a (walk) tile's."""
     if not cost.compute_tiles:
         return None
-    per_tile = cost.mxu_pushes / cost.compute_tiles
-    unmasked = cost.compute_tiles - cost.masked_tiles
-    return {"branch_pushes": [unmasked * per_tile, cost.masked_tiles * per_tile]}
+    masked = cost.masked_tiles * tile_pushes
+    return {"branch_pushes": [cost.mxu_pushes - masked, masked]}
 
 
 class FlashAttention(Adapter):
@@ -366,11 +374,18 @@ class FlashAttention(Adapter):
         `step_work`: the same per grid step (`step_work`)."""
         cost = self.cost(shape, generation, tiles)[0]
         if shape.segment_ids() is not None:
-            trips = {"hot_iterations": float(cost.compute_tiles)}
+            trips = {"hot_iterations": float(cost.compute_tiles)}  # no interior path: walk tiles
         else:
-            trips = flash_branch_pushes(cost)
+            t = self._tiles(shape, generation, tiles)
+            G = shape.q_heads // shape.kv_heads
+            pushes = flash_tile_pushes(self.mod.tiling, generation, t, G, shape.head_dim)
+            trips = flash_branch_pushes(cost, pushes)
         if trips is not None:
             trips["step_work"] = self.step_work(shape, generation, tiles, cost)
+            # a q block's init and write-out run once per run of its items (the LAST item)
+            trips["output_tiles"] = float(
+                sum(t["output_tiles"] for t in trips["step_work"]["trips"])
+            )
         return trips
 
     def _fwd_items(self, shape, generation, tiles=None) -> dict:
@@ -456,7 +471,7 @@ class FlashAttention(Adapter):
         for b in range(rows):
             for i in range(steps):
                 one = [empty] * b + [stack[min(b, n_lists - 1), :, i : i + 1]]
-                live[b, i], masked[b, i] = T.count_tiles(
+                live[b, i], masked[b, i], _ = T.count_tiles(
                     one, w["seqs"], w["band"], bq, bqc, bk, bkc, tables, w["segments"]
                 )
         # grid order (B, Hkv, items); one list serves every batch row
@@ -465,13 +480,24 @@ class FlashAttention(Adapter):
         ).ravel()
         live, masked = per_step(live), per_step(masked)
         cost = cost or self.cost(shape, generation, tiles)[0]
-        per_tile = cost.mxu_pushes / cost.compute_tiles if cost.compute_tiles else 0.0
+        # per (bqc x bkc) tile, the unit the counts come in (the interior's taller tiles too)
+        per_tile = flash_tile_pushes(T, generation, t, G, D)
+        tile_flops = cost.mxu_flops / live.sum() if live.sum() else 0.0
+        # a q block's runs end on its LAST item: init and write-out once per run
+        last = per_step(
+            (np.asarray(f["FLAGS"]).reshape(n_lists, steps) & self.mod.kernel.LAST) != 0
+        )
         if w["segments"]:
-            trips = [{"hot_iterations": float(n)} for n in live]
+            trips = [
+                {"hot_iterations": float(n), "output_tiles": float(e)} for n, e in zip(live, last)
+            ]
         else:
             trips = [
-                {"branch_pushes": [float((n - m) * per_tile), float(m * per_tile)]}
-                for n, m in zip(live, masked)
+                {
+                    "branch_pushes": [float((n - m) * per_tile), float(m * per_tile)],
+                    "output_tiles": float(e),
+                }
+                for n, m, e in zip(live, masked, last)
             ]
         isz = np.dtype(shape.dtype).itemsize
         flat, layout = w["flat"], w["layout"]
@@ -498,7 +524,7 @@ class FlashAttention(Adapter):
         return {
             "trips": trips,
             "hot": live,
-            "mxu": live * (cost.mxu_flops / cost.compute_tiles if cost.compute_tiles else 0.0),
+            "mxu": live * tile_flops,
             "reads": reads,
             "writes": writes,
         }

@@ -503,7 +503,9 @@ def scheduled_from_work(
     A kernel that zeroes its accumulator on an output tile's first step and writes it out on its
     last (`pl.when(k == 0)` / `pl.when(k == last)`) passes `output_tiles`, how many times those
     regions run (per output tile, from its grid or work list): the init / finalize regions
-    `step_regions` finds are then charged that many times instead of once per grid step. A
+    `step_regions` finds are then charged that many times instead of once per grid step (with
+    `branch_pushes` too: flash attention's q block runs, its init on the run's first item and
+    its write-out on the last). A
     kernel whose hot loop is the grid loop and whose step holds two sides of a `lax.cond` (a gmm's
     "last K tile" side that also writes the output, and the "other K tiles" side) passes
     `last_side_runs`, the busy steps taking the larger side: the others are charged the smaller
@@ -700,8 +702,14 @@ def _call_bundles(
         iterations = mxu_flops / flops_per_hot_iteration
     if branch_pushes is not None:
         shared = model["step_bundles"] - sum(b for b, _ in paths)
-        bundles = grid_steps * shared + sum(
-            n * b / p for n, (b, p) in zip(branch_pushes, paths) if n
+        once = 0.0
+        if output_tiles is not None:  # init / write-out once per output tile (a q block)
+            shared -= regions["first"] + regions["last"]
+            once = output_tiles * (regions["first"] + regions["last"])
+        bundles = (
+            grid_steps * shared
+            + once
+            + sum(n * b / p for n, (b, p) in zip(branch_pushes, paths) if n)
         )
     elif model.get("hot_is_grid") and branch_runs is not None:
         busy = float(sum(branch_runs))

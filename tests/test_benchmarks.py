@@ -842,11 +842,12 @@ def test_schedule_cache_prune_keeps_current_and_unmatched_rows(tmp_path):
     }
 
 
-def test_bwd_dump_points_selects_the_points_loop():
-    """bwd_dump_points.select_loop takes, among the innermost loops holding whole tiles, the
-    masked (vsel) or mask-free one the point names, the longest such, and reports bundles per
-    tile over the tiles in its body; a point whose loop is missing is refused."""
-    import bwd_dump_points
+def test_flash_dump_points_selects_the_points_loop():
+    """flash_dump_points.select_loop takes, among the innermost loops holding whole tiles, the
+    masked (vsel) or mask-free one the point names (and for the forward, on the path it names),
+    the longest such, and reports bundles per tile over the tiles in its body; a point whose loop
+    is missing is refused."""
+    import flash_dump_points
 
     def loop(bundles, children=0, **ops):
         occ = {"MXU": 0.5, "VALU": 0.25}
@@ -861,15 +862,15 @@ def test_bwd_dump_points_selects_the_points_loop():
             loop(500, vmatmul=100, vsel=3),  # not whole tiles of 384 pushes
         ]
     }
-    masked = bwd_dump_points.select_loop(schedule, {"masked": True}, 384)
+    masked = flash_dump_points.select_loop(schedule, {"masked": True}, 384)
     assert masked["hot_loop_bundles"] == 4334 and masked["tiles_per_iteration"] == 2
     assert masked["dump_bundles_per_tile"] == 2167.0
     assert masked["loop"] == "masked edge tiles (vsel), 2 per straight-line group"
-    free = bwd_dump_points.select_loop(schedule, {"masked": False}, 768)
+    free = flash_dump_points.select_loop(schedule, {"masked": False}, 768)
     assert free["hot_loop_bundles"] == 3667 and free["tiles_per_iteration"] == 1
     assert free["loop"] == "mask-free tiles" and free["mxu_occupancy"] == 0.5
     with pytest.raises(ValueError, match="mask-free"):
-        bwd_dump_points.select_loop({"loops": schedule["loops"][1:2]}, {"masked": False}, 384)
+        flash_dump_points.select_loop({"loops": schedule["loops"][1:2]}, {"masked": False}, 384)
     # The dq pass's group loop holds a masked and a mask-free body, one run per group: each
     # point reads its own branch, not the loop (TPU7x Llama-3-8B dq, 1024 x 512 tiles).
     mixed = loop(7333, vmatmul=1536, vsel=802)
@@ -879,10 +880,30 @@ def test_bwd_dump_points_selects_the_points_loop():
     ]
     mixed["branches"][1]["occupancy"]["VALU"] = 0.5
     dq = {"loops": [loop(9000, children=1, dma=4), mixed]}
-    masked = bwd_dump_points.select_loop(dq, {"masked": True}, 384)
+    masked = flash_dump_points.select_loop(dq, {"masked": True}, 384)
     assert masked["hot_loop_bundles"] == 3702 and masked["dump_bundles_per_tile"] == 1851.0
-    free = bwd_dump_points.select_loop(dq, {"masked": False}, 384)
+    free = flash_dump_points.select_loop(dq, {"masked": False}, 384)
     assert free["hot_loop_bundles"] == 3618 and free["mxu_occupancy"] == 0.673
+    # The forward's points name their path: the interior path's q-tile loop (one body, no
+    # select) or a body of the edge walk's group loop (v6e Llama-3-8B window 1024, 512 pushes a
+    # tile), even where the interior loop is the longer mask-free one.
+    interior = loop(10300, vmatmul=2048, vpow2=4096)
+    fwd = {"loops": [loop(40000, children=2, dma=6), interior, mixed]}
+    walk = [
+        {"bundles": 10230, "ops": {"vmatmul": 2048}, "occupancy": {"MXU": 0.79, "VALU": 0.55}},
+        {"bundles": 12629, "ops": {"vmatmul": 2048, "vsel": 64}, "occupancy": {"MXU": 0.64}},
+    ]
+    walk[1]["occupancy"]["VALU"] = 0.61
+    mixed["branches"] = walk
+    inner = flash_dump_points.select_loop(fwd, {"masked": False, "path": "interior"}, 512)
+    assert inner["hot_loop_bundles"] == 10300 and inner["tiles_per_iteration"] == 4
+    assert inner["loop"] == "interior path, mask-free tiles, 4 per straight-line group"
+    free = flash_dump_points.select_loop(fwd, {"masked": False, "path": "walk"}, 512)
+    assert free["hot_loop_bundles"] == 10230
+    masked = flash_dump_points.select_loop(fwd, {"masked": True, "path": "walk"}, 512)
+    assert masked["hot_loop_bundles"] == 12629 and masked["dump_bundles_per_tile"] == 3157.2
+    with pytest.raises(ValueError, match="interior"):
+        flash_dump_points.select_loop(dq, {"masked": False, "path": "interior"}, 384)
 
 
 def _paged_named(name):
@@ -1058,10 +1079,12 @@ def test_flash_step_work_adds_up_to_the_call(shape_name):
         steps = trips.pop("step_work")
         n = cost.grid_steps
         assert len(steps["trips"]) == n and all(len(steps[k]) == n for k in steps)
-        assert list(trips) == (["hot_iterations"] if packed else ["branch_pushes"])
+        assert list(trips) == ["hot_iterations" if packed else "branch_pushes", "output_tiles"]
         for key, value in trips.items():
             got = np.sum([t[key] for t in steps["trips"]], axis=0)
             assert np.array_equal(got, value), (key, got, value)
+        # one init and write-out per q block run: 8192 / 2048 q blocks x 8 KV heads
+        assert trips["output_tiles"] == shape.kv_heads * -(-shape.seq // info["tiling"][0])
         assert steps["hot"].sum() == cost.compute_tiles
         assert steps["mxu"].sum() == cost.mxu_flops
         assert steps["reads"].sum() + steps["writes"].sum() == cost.hbm_bytes

@@ -10,7 +10,7 @@ and one builder, `build_work_list`, for the host (numpy) and the traced program 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -228,17 +228,30 @@ def count_live_tiles(lists, seqs, band: Band, bq, bqc, bk, bkc, tables=None) -> 
     return count_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables)[0]
 
 
+class TileCounts(NamedTuple):
+    """Score tiles of a work list, in (bqc x bkc) tiles: `live` computed, `masked` of them
+    carrying a mask, `interior` of them on interior items (every tile of the item whole: the
+    forward runs those through its interior path, kernel.interior_item, mask-free)."""
+
+    live: int
+    masked: int
+    interior: int
+
+
 def count_tiles(
     lists, seqs, band: Band, bq, bqc, bk, bkc, tables=None, segments=False
-) -> tuple[int, int]:
-    """(live, masked): the score tiles `count_live_tiles` counts, and how many of them carry a
-    mask (a tile the band's edge cuts, or one the sequence ends inside; with segment ids every
-    tile is masked). The tile-ranking model charges a masked tile its compare and select work."""
+) -> TileCounts:
+    """The score tiles `count_live_tiles` counts, how many of them carry a mask (a tile the
+    band's edge cuts, or one the sequence ends inside; with segment ids every tile is masked) and
+    how many sit on interior items (none with segment ids: the forward walks every item). The
+    tile-ranking model charges a masked tile its compare and select work, an interior one the
+    interior path's taller tile."""
     qi, ki, si, fl = np.concatenate(lists, axis=1)
     bi = np.concatenate([np.full(it.shape[1], b) for b, it in enumerate(lists)])
     computes = (fl & COMPUTE) != 0
     ql, qh, kl, kh, off = (np.asarray(a)[si] for a in seqs)
     live = masked = 0
+    all_whole = computes & (not segments) & (tables is None)
     for j in range(bq // bqc):
         t0 = qi * bq + j * bqc
         q_lo = np.maximum(t0, ql)
@@ -263,7 +276,9 @@ def count_tiles(
             if band.lo > -_UNBOUNDED:
                 whole = whole & (k_lo - (q_hi - 1) + off >= band.lo)
             masked += int((ok & ~whole).sum())
-    return live, masked
+            all_whole = all_whole & ok & whole
+    interior = int(np.sum(all_whole)) * (bq // bqc) * (bk // bkc)
+    return TileCounts(live, masked, interior)
 
 
 __all__ = [
@@ -275,6 +290,7 @@ __all__ = [
     "max_work_items",
     "count_live_tiles",
     "count_tiles",
+    "TileCounts",
     "per_batch_lists_fit",
     "MAX_PER_BATCH_LIST_BYTES",
     "COMPUTE",

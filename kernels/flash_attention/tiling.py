@@ -11,9 +11,10 @@ block_kv_compute_bwd their compute tiles. `choose_tiles` tries the
 candidates whose every VMEM buffer fits the generation's budget and keeps the one the shared
 ranking (tpu_generations.best_tiles / ranked_seconds) finds fastest on the caller's shape: the
 forward's and the backward's score tiles charged by the calibrated per-tile bundle model from
-what each pushes through the MXU, EUP and VALU (`fwd_tile_units`; `bwd_tile_units` per backward
-pass: dk/dv, dq or fused; masked edge tiles pay their compares), overlapped with the DMA, plus
-the per-step overhead. Candidates within RANKING_TOLERANCE (forward) / BWD_RANKING_TOLERANCE
+what each pushes through the MXU, EUP and VALU (`fwd_tile_units` per forward path: an interior
+item's tiles, taller on v6e, or the edge walk's; `bwd_tile_units` per backward pass: dk/dv, dq
+or fused; masked edge tiles pay their compares), overlapped with the DMA, plus the per-step
+overhead. Candidates within RANKING_TOLERANCE (forward) / BWD_RANKING_TOLERANCE
 (backward) of the fastest count as equal and the larger DMA blocks win among them. The two-pass
 backward's cost sums both passes' unit counts, so its bundles are max over the summed units: a
 lower bound where one pass is MXU-bound and the other vector-bound (dk/dv and dq on v6e).
@@ -296,7 +297,7 @@ def mask_per_head(generation, head_dim) -> bool:
 
 # The backward's whole-tile masks (one q head per KV head, or v5e at d > 128) mask the scores
 # before the exp (kernel._masked_probabilities) except on v5e. libtpu 0.0.42 deviceless dumps of
-# d=256 b2 8192 causal's masked tiles (benchmarks/bwd_dump_points.py), probabilities selected ->
+# d=256 b2 8192 causal's masked tiles (benchmarks/flash_dump_points.py), probabilities selected ->
 # scores masked: TPU7x dq 256 x 512 747 -> 694 bundles, fused 512 x 512 1,683 -> 1,541; v6e dk/dv
 # 512 x 512 1,579 -> 1,459, fused 1,855 -> 1,754; v5e fused 256 x 256 1,255 -> 1,295 and dk/dv
 # 1,056 -> 1,062 (worse), dq 766.5 -> 765.
@@ -314,6 +315,11 @@ def mask_scores_before_exp(generation) -> bool:
 # left at the edge walk's tile). v5e (4 smaller MXUs) is MXU-bound already: unchanged.
 INTERIOR_MAX_ROWS = 2048
 TALL_INTERIOR_GENERATIONS = ("v6e",)
+# The tile ranking charges an interior tile taller than this many stacked rows as several of this
+# height: the fixed bundles a tile pays stop shrinking there (the dumps above: 652 -> 644 from
+# 1024 to 2048 rows; Flux-dev joint 4608 at 2048 x 1536 blocks, d = 128: 642 bundles per 512
+# rows at 2048, where one tile's fixed bundles spread over 2048 rows would give 594).
+INTERIOR_CHARGED_ROWS = 1024
 
 
 # Program size. A Mosaic kernel larger than one instruction-memory overlay is cut into several,
@@ -626,45 +632,96 @@ def choose_tiles(
 
 
 # What one forward score tile pushes through each unit (the ranking model's per-family inputs,
-# tpu_generations.tile_bundles). Per f32 score vreg (8 x 128 scores) the forward's VALU does
-# the running max, the exp2 argument, the row sum, the bf16 cast and the max/sum reductions'
-# lane work: ~5 ops (v6e/TPU7x dumps of the interior loop: 5.3 at d=128); per f32 vreg of the
-# [rows, head_dim] accumulator 2 (rescale multiply and add of p @ v). A masked tile adds the
-# iota compares and selects (dumps of the masked remainder tiles: +3.8 per score vreg), a soft
-# cap the scale / tanh work (+2.4), segment ids the id compare (+1.4); a band with two edges
-# (a sliding window) a second compare and select (+0.8). The EUP takes one exp2 per
-# score (and one tanh with a soft cap) plus one rescale exp2 per row (lane-replicated, rows/8
-# vregs). benchmarks/results/tile_model_calibration.json holds the dumps these come from.
-VALU_PER_SCORE_VREG = 5.0
+# tpu_generations.tile_bundles). The tile runs on one of two paths (kernel.py): an interior item
+# (every tile of the q block mask-free) runs its q tiles as one straight-line region whose chains
+# are independent (on v6e taller tiles, interior_q_compute), an edge item walks each q tile's kv
+# slices in groups, one chain through (m, l, acc) per q tile, some groups masked. The VALU
+# figures are effective ops per f32 score vreg (8 x 128 scores), per generation: the interior
+# tile's (running max, exp2 argument, row sum, bf16 cast, the reductions' lane work), what the
+# walk's chain adds to a mask-free tile, and what a mask adds (one head's interval compares, the
+# bias or select); fitted so that (ops / VALU slots) x vector_issue + the fixed per-tile bundles
+# gives the dumped bundles of the tiles the MXU does not bound, so that a chain's latency is
+# charged to the unit that carries it (as the backward's, below). Shared by every generation
+# (counted from the bodies, not refitted): per f32 vreg of the [rows, head_dim] accumulator 2
+# (rescale multiply and add of p @ v), a soft cap's scale / tanh work (+2.4), segment ids' id
+# compare (+1.4), a band's second edge (+0.8). The EUP takes one exp2 per score (half the pushes
+# where the exp runs in bf16, exp_in_bf16: 16 x 128 scores a vreg), one tanh with a soft cap,
+# and one rescale exp2 per row (lane-replicated, rows/8 vregs).
+# benchmarks/results/tile_model_calibration.json "points" holds the dumps (each path's loop, masked
+# and mask-free, every named shape's tiles on v5e, v6e and TPU7x), and
+# benchmarks/flash_dump_points.py --pass fwd re-dumps them.
+# Fitted per generation on the calibration points (mask-free ones for the first two, then the
+# masked ones for the third; among fits within half a percent of the least largest error, the
+# one nearest the ops the bodies issue, ~5 a score vreg unmasked). v5e's walk is chain-bound
+# where its tile is not MXU-bound (d = 128: 640 bundles a 512 x 256 walk tile against 550 on the
+# interior path); v6e's and TPU7x's mask-free walk tiles are within 3% of their interior ones.
+FWD_VALU_PER_SCORE_VREG = {  # (interior, walk's chain added, mask added)
+    "v5e": (5.0, 7.0, 0.6),
+    "v6e": (4.6, 0.0, 2.0),
+    "tpu7x": (5.0, 0.2, 1.2),
+}
+FWD_VALU_PER_SCORE_VREG["v5p"] = FWD_VALU_PER_SCORE_VREG["v5e"]
 VALU_PER_ACC_VREG = 2.0
-VALU_MASK_PER_SCORE_VREG = 3.8
 VALU_SECOND_EDGE_PER_SCORE_VREG = 0.8
 VALU_SOFTCAP_PER_SCORE_VREG = 2.4
 VALU_SEGMENT_PER_SCORE_VREG = 1.4
+FWD_PATHS = ("interior", "walk")
 
 
 def fwd_tile_units(
-    gen: TpuGeneration, rows: int, cols: int, head_dim: int, softcap=False, two_edges=False
+    gen: TpuGeneration,
+    rows: int,
+    cols: int,
+    head_dim: int,
+    softcap=False,
+    two_edges=False,
+    exp_bf16=False,
 ):
     """Per score tile of `rows` stacked query rows x `cols` keys: MXU pushes (QK^T and PV), EUP
-    pushes and VALU ops (unmasked), and the VALU ops a mask (`two_edges`: a band bounded on both
-    sides) / segment ids add."""
+    pushes and VALU ops of an interior (mask-free) tile, and the VALU ops the walk's chain
+    (`walk_valu_ops`), a mask (`two_edges`: a band bounded on both sides) and segment ids add."""
+    interior, walk, mask = FWD_VALU_PER_SCORE_VREG[gen.name]
     dp = _r(head_dim, NUM_LANES)
     score_vregs = rows * cols / (NUM_SUBLANES * NUM_LANES)
     acc_vregs = rows * dp / (NUM_SUBLANES * NUM_LANES)
-    valu = VALU_PER_SCORE_VREG * score_vregs + VALU_PER_ACC_VREG * acc_vregs
+    valu = interior * score_vregs + VALU_PER_ACC_VREG * acc_vregs
     if softcap:
         valu += VALU_SOFTCAP_PER_SCORE_VREG * score_vregs
+    exp_pushes = score_vregs / 2 if exp_bf16 else score_vregs
     return {
         "mxu_pushes": mxu_pushes(gen, rows, dp, cols) + mxu_pushes(gen, rows, cols, dp),
-        "eup_pushes": int(score_vregs * (2 if softcap else 1) + rows // NUM_SUBLANES),
+        "eup_pushes": int(exp_pushes + (score_vregs if softcap else 0) + rows // NUM_SUBLANES),
         "valu_ops": valu,
-        "masked_valu_ops": (
-            VALU_MASK_PER_SCORE_VREG + (VALU_SECOND_EDGE_PER_SCORE_VREG if two_edges else 0.0)
-        )
+        "walk_valu_ops": walk * score_vregs,
+        "masked_valu_ops": (mask + (VALU_SECOND_EDGE_PER_SCORE_VREG if two_edges else 0.0))
         * score_vregs,
         "segment_valu_ops": VALU_SEGMENT_PER_SCORE_VREG * score_vregs,
     }
+
+
+def fwd_tile_bundles(
+    gen: TpuGeneration,
+    rows: int,
+    cols: int,
+    head_dim: int,
+    *,
+    path: str,
+    masked: bool,
+    softcap=False,
+    two_edges=False,
+    exp_bf16=False,
+) -> float:
+    """Bundles the model gives one forward score tile on `path` ("interior" or "walk";
+    `fwd_tile_units` through tile_bundles): what the calibration points' model figures are."""
+    if path not in FWD_PATHS:
+        raise ValueError(f"path must be one of {FWD_PATHS}, got {path!r}")
+    u = fwd_tile_units(gen, rows, cols, head_dim, softcap, two_edges, exp_bf16)
+    valu = u["valu_ops"]
+    if path == "walk":
+        valu += u["walk_valu_ops"] + (u["masked_valu_ops"] if masked else 0.0)
+    return _generations.tile_bundles(
+        gen, mxu_pushes=u["mxu_pushes"], eup_pushes=u["eup_pushes"], valu_ops=valu
+    )
 
 
 # What one backward score tile pushes through each unit, per pass (kernel.py `_dkdv_kernel`,
@@ -685,7 +742,7 @@ def fwd_tile_units(
 # and its product with dS (4 ops, counted from the body, not fitted); segment ids the forward's
 # id compare (not fitted either). The dq pass runs its kv slices two per straight-line group
 # (kernel.py DQ_UNROLL): its dumped loops hold two tiles, and the figures are per tile.
-# benchmarks/bwd_dump_points.py re-dumps the points and refreshes their errors.
+# benchmarks/flash_dump_points.py re-dumps the points and refreshes their errors.
 # benchmarks/results/tile_model_calibration.json "bwd_points"
 # holds the dumps: fitted on the Llama-3-8B points (role "calibration"; among fits within two
 # points of the best error there, the one with the smallest error on every point of its
@@ -995,7 +1052,7 @@ def estimate_cost(
         tables = tile_tables(bqc, bkc)
         if tables is not None:
             hbm += tables[-1]  # the tile ranges: a whole-array SMEM copy
-        live_tiles, masked_tiles = count_tiles(
+        live_tiles, masked_tiles, interior_tiles = count_tiles(
             lists, seqs, band, bq, bqc, bk, bkc, tables, segments=segments
         )
         mxu = Hkv * live_tiles * 2 * (2 * G * bqc * bkc * dp)
@@ -1006,16 +1063,26 @@ def estimate_cost(
             + B * num_q_heads * q_len * 4
         )
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
-        units = fwd_tile_units(
-            get_generation(generation),
-            G * bqc,
-            bkc,
-            D,
+        gen_f = get_generation(generation)
+        kw = dict(
             softcap=bool(softcap),
             two_edges=band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED,
+            exp_bf16=exp_in_bf16(gen_f, dtype),
         )
+        units = fwd_tile_units(gen_f, G * bqc, bkc, D, **kw)
+        # Interior items run their q tiles on the interior path, on v6e taller
+        # (interior_q_compute): the same pushes and vector work in fewer tiles' fixed bundles,
+        # without the walk's chain.
+        limited = with_vmem_limits(tiles, G, D, dtype, generation, segments, q_len)
+        bqi = interior_q_compute(generation, limited, G, D, isz, segments)
+        while bqi > bqc and G * bqi > INTERIOR_CHARGED_ROWS:  # bqi is bqc doubled
+            bqi //= 2
+        tall = fwd_tile_units(gen_f, G * bqi, bkc, D, **kw)
         n_live, n_masked = Hkv * live_tiles, Hkv * masked_tiles
-        valu = n_live * units["valu_ops"] + n_masked * units["masked_valu_ops"]
+        n_tall = Hkv * interior_tiles * bqc // bqi
+        n_walk = n_live - Hkv * interior_tiles
+        valu = n_walk * (units["valu_ops"] + units["walk_valu_ops"]) + n_tall * tall["valu_ops"]
+        valu += n_masked * units["masked_valu_ops"]
         if segments:
             valu += n_masked * units["segment_valu_ops"]
         if calls is not None:
@@ -1034,10 +1101,10 @@ def estimate_cost(
             min_bytes,
             steps,
             need,
-            compute_tiles=n_live,
+            compute_tiles=n_walk + n_tall,
             masked_tiles=n_masked,
-            mxu_pushes=n_live * units["mxu_pushes"],
-            eup_pushes=n_live * units["eup_pushes"],
+            mxu_pushes=n_walk * units["mxu_pushes"] + n_tall * tall["mxu_pushes"],
+            eup_pushes=n_walk * units["eup_pushes"] + n_tall * tall["eup_pushes"],
             valu_ops=int(round(valu)),
         )
 
@@ -1076,7 +1143,9 @@ def estimate_cost(
         hbm += smem + (tables[-1] if tables is not None else 0)
         # dk/dv visit each (kv slice, q tile) pair the dq pass visits as (q tile, kv slice):
         # 4 matmuls per tile there (s, dv, dp, dk), 3 here (s, dp, dq); fused: 5 (+ dq).
-        live, masked = count_tiles(lists, seqs, band, bq, bqc, bk, bkc, tables, segments=segments)
+        live, masked, _ = count_tiles(
+            lists, seqs, band, bq, bqc, bk, bkc, tables, segments=segments
+        )
         n_mm = (5 if fused else 4) if kv_major else 3
         mxu += Hkv * live * n_mm * (2 * G * bqc * bkc * dp)
         steps += Hkv * sum(it.shape[1] for it in lists)
