@@ -386,6 +386,7 @@ class FlashAttention(Adapter):
             trips["output_tiles"] = float(
                 sum(t["output_tiles"] for t in trips["step_work"]["trips"])
             )
+            trips["output_loop_trips"] = trips["step_work"]["trips"][0]["output_loop_trips"]
         return trips
 
     def _fwd_items(self, shape, generation, tiles=None) -> dict:
@@ -483,19 +484,24 @@ class FlashAttention(Adapter):
         # per (bqc x bkc) tile, the unit the counts come in (the interior's taller tiles too)
         per_tile = flash_tile_pushes(T, generation, t, G, D)
         tile_flops = cost.mxu_flops / live.sum() if live.sum() else 0.0
-        # a q block's runs end on its LAST item: init and write-out once per run
-        last = per_step(
-            (np.asarray(f["FLAGS"]).reshape(n_lists, steps) & self.mod.kernel.LAST) != 0
-        )
+        # a q block's runs end on its LAST item: init and write-out once per run, each head's
+        # write-out loop (kernel._normalise_and_store) by its iterations
+        K = self.mod.kernel
+        last = per_step((np.asarray(f["FLAGS"]) & K.LAST) != 0)
+        out = {
+            "output_loop_trips": float(K.finish_unroll(bq)[1]) if bq % K.FINISH_ROWS == 0 else 1.0
+        }
         if w["segments"]:
             trips = [
-                {"hot_iterations": float(n), "output_tiles": float(e)} for n, e in zip(live, last)
+                {"hot_iterations": float(n), "output_tiles": float(e), **out}
+                for n, e in zip(live, last)
             ]
         else:
             trips = [
                 {
                     "branch_pushes": [float((n - m) * per_tile), float(m * per_tile)],
                     "output_tiles": float(e),
+                    **out,
                 }
                 for n, m, e in zip(live, masked, last)
             ]

@@ -180,6 +180,13 @@ def first_last_regions(regions, work: tuple[int, int]) -> tuple[int, int]:
     loading (it writes constants; a weight-prepare region before the work loads what it stores
     and runs every step) and finalize must load and store (it reads the accumulator): a region
     that does not fit is left in the per-step charge. 0 where none is found."""
+    init, end = first_last_spans(regions, work)
+    return tuple(r[1] - r[0] - 1 if r else 0 for r in (init, end))
+
+
+def first_last_spans(regions, work: tuple[int, int]) -> tuple:
+    """The (branch, end) bundles of the init and finalize regions `first_last_regions` sizes
+    (None where none is found)."""
     lo, hi = work
     cand = [
         r
@@ -190,15 +197,15 @@ def first_last_regions(regions, work: tuple[int, int]) -> tuple[int, int]:
     ]
     before = [r for r in cand if r[1] <= lo]
     after = [r for r in cand if r[0] >= hi]
-    init = end = 0
+    init = end = None
     if before:
         r = max(before, key=lambda r: (r[0], r[1]))  # the innermost of the last
         if len(r) < 5 or (r[4] > 0 and r[3] * 8 <= r[4]):
-            init = r[1] - r[0] - 1
+            init = (r[0], r[1])
     if after:
         r = min(after, key=lambda r: (r[0], r[1]))
         if len(r) < 5 or (r[3] > 0 and r[4] > 0):
-            end = r[1] - r[0] - 1
+            end = (r[0], r[1])
     return init, end
 
 
@@ -427,14 +434,15 @@ def step_regions(model: dict) -> dict:
     a model cached before the regions were recorded (every region is then charged per step)."""
     regions = model.get("regions")
     if "step_bundles" not in model:
-        return {"first": 0, "last": 0, "sides": []}
+        return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0}
     if regions is None:
         # A model cached before the regions were recorded still has the step's alternative MXU
         # paths (sibling regions with MXU work): the two sides of a `lax.cond` where the larger
         # is a body by `split_bodies`' 15% rule. Init / finalize are not known: per step.
         paths = [b for b, _ in model.get("mxu_branches") or ()]
         big = len(paths) == 2 and max(paths) >= 0.15 * model["step_bundles"]
-        return {"first": 0, "last": 0, "sides": paths if model.get("hot_is_grid") and big else []}
+        sides = paths if model.get("hot_is_grid") and big else []
+        return {"first": 0, "last": 0, "sides": sides, "first_last_loops": 0}
     sides: list[int] = []
     if model.get("hot_is_grid"):
         bodies = _bodies(model["step_bundles"], regions)
@@ -445,12 +453,20 @@ def step_regions(model: dict) -> dict:
         else:  # no alternative bodies: the step's MXU regions are its work
             mxu = [r for r in regions if r[2]]
             if not mxu:
-                return {"first": 0, "last": 0, "sides": []}
+                return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0}
             work = (min(r[0] for r in mxu), max(r[1] for r in mxu))
     else:
         work = tuple(model["work"])
     first, last = first_last_regions(regions, work)
-    return {"first": first, "last": last, "sides": sides}
+    spans = [sp for sp in first_last_spans(regions, work) if sp]
+    # rolled loops inside init / finalize (one iteration each in the region's bundles): a
+    # q block's write-out loops
+    inner = sum(
+        lp[2]
+        for lp in model.get("step_loops") or ()
+        if any(a <= lp[0] and lp[1] <= b for a, b in spans)
+    )
+    return {"first": first, "last": last, "sides": sides, "first_last_loops": inner}
 
 
 def scheduled_from_work(
@@ -467,8 +483,8 @@ def scheduled_from_work(
     counts are data-dependent (work lists, dynamic loop bounds). `model` is
     `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration; `trips` the
     trip-count keywords of `_call_bundles` (flops_per_hot_iteration, hot_iterations,
-    side_region_runs, branch_runs, branch_pushes, output_tiles, last_side_runs, loop_trips,
-    work_items, block_loop_trips; each optional), described below.
+    side_region_runs, branch_runs, branch_pushes, output_tiles, output_loop_trips,
+    last_side_runs, loop_trips, work_items, block_loop_trips; each optional), described below.
 
     The call's MXU work (`mxu_flops`, issued FLOPs from the kernel's closed form, which the tests
     check against the TPU interpreter) is divided into hot-loop iterations of
@@ -505,7 +521,9 @@ def scheduled_from_work(
     regions run (per output tile, from its grid or work list): the init / finalize regions
     `step_regions` finds are then charged that many times instead of once per grid step (with
     `branch_pushes` too: flash attention's q block runs, its init on the run's first item and
-    its write-out on the last). A
+    its write-out on the last); `output_loop_trips`, the iterations each rolled loop inside
+    those regions runs per output tile (flash's write-out, a loop per head), charges those
+    loops by it instead of one iteration. A
     kernel whose hot loop is the grid loop and whose step holds two sides of a `lax.cond` (a gmm's
     "last K tile" side that also writes the output, and the "other K tiles" side) passes
     `last_side_runs`, the busy steps taking the larger side: the others are charged the smaller
@@ -621,7 +639,11 @@ def scheduled_from_work(
         # the regions charged by how often they run, not per step (0: none found, or a cached
         # model without regions, or no count passed)
         "per_tile_region_bundles": (
-            regions["first"] + regions["last"] if trips["output_tiles"] is not None else 0
+            regions["first"]
+            + regions["last"]
+            + ((trips["output_loop_trips"] or 1) - 1) * regions.get("first_last_loops", 0)
+            if trips["output_tiles"] is not None
+            else 0
         ),
         "side_bundles": (
             regions["sides"]
@@ -649,6 +671,7 @@ def _call_bundles(
     branch_runs: Sequence[float] | None = None,
     branch_pushes: Sequence[float] | None = None,
     output_tiles: float | None = None,
+    output_loop_trips: float | None = None,
     last_side_runs: float | None = None,
     loop_trips: Sequence[float | tuple[float, float]] | None = None,
     work_items: float | None = None,
@@ -700,12 +723,17 @@ def _call_bundles(
         iterations = float(sum(branch_pushes))  # reported as pushes
     else:
         iterations = mxu_flops / flops_per_hot_iteration
+    # A rolled loop inside init / finalize (one iteration in the regions' bundles) runs
+    # `output_loop_trips` iterations per output tile: the iterations past the first.
+    per_tile = regions["first"] + regions["last"]
+    if output_loop_trips is not None:
+        per_tile += (output_loop_trips - 1) * regions.get("first_last_loops", 0)
     if branch_pushes is not None:
         shared = model["step_bundles"] - sum(b for b, _ in paths)
         once = 0.0
         if output_tiles is not None:  # init / write-out once per output tile (a q block)
             shared -= regions["first"] + regions["last"]
-            once = output_tiles * (regions["first"] + regions["last"])
+            once = output_tiles * per_tile
         bundles = (
             grid_steps * shared
             + once
@@ -726,7 +754,7 @@ def _call_bundles(
         idle = model["idle_step_bundles"] - looped
         if output_tiles is not None:
             step -= regions["first"] + regions["last"]
-            once += output_tiles * (regions["first"] + regions["last"])
+            once += output_tiles * per_tile
         if last_side_runs is not None and regions["sides"]:
             last = min(last_side_runs, busy)
             step -= sum(regions["sides"])
@@ -743,7 +771,7 @@ def _call_bundles(
         per_step, once = model["per_step_overhead_bundles"], 0.0
         if output_tiles is not None:
             per_step -= regions["first"] + regions["last"]
-            once = output_tiles * (regions["first"] + regions["last"])
+            once = output_tiles * per_tile
         bundles = (
             grid_steps * per_step
             + once

@@ -1079,7 +1079,12 @@ def test_flash_step_work_adds_up_to_the_call(shape_name):
         steps = trips.pop("step_work")
         n = cost.grid_steps
         assert len(steps["trips"]) == n and all(len(steps[k]) == n for k in steps)
-        assert list(trips) == ["hot_iterations" if packed else "branch_pushes", "output_tiles"]
+        first = "hot_iterations" if packed else "branch_pushes"
+        assert list(trips) == [first, "output_tiles", "output_loop_trips"]
+        # the write-out loop's iterations per q block: the same on every step
+        loop_trips = trips.pop("output_loop_trips")
+        assert {t["output_loop_trips"] for t in steps["trips"]} == {loop_trips}
+        assert loop_trips == 2  # 2048 rows: 16 chunks of 128, 8 an iteration
         for key, value in trips.items():
             got = np.sum([t[key] for t in steps["trips"]], axis=0)
             assert np.array_equal(got, value), (key, got, value)

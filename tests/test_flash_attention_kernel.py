@@ -694,8 +694,8 @@ def test_choose_tiles_fits_blocks_to_lengths_no_power_of_two_divides(gen):
 def test_choose_tiles_takes_long_kv_blocks_only_where_the_band_covers_every_key(gen):
     """Full (not causal, unwindowed) attention over long sequences gets LONG_KV_BLOCK-key
     forward blocks (Wan-like 32768 tokens on a TPU v5e chip: 6% faster than 2048 x 2048) except
-    on v6e, whose taller interior tiles fit VMEM beside 2048-key blocks only (scheduled 19,901
-    against 20,900 us); a causal band or a window at the same length keeps kv blocks of at most
+    on v6e, whose taller interior tiles fit VMEM beside 2048-key blocks only (scheduled 19,952
+    against 20,952 us); a causal band or a window at the same length keeps kv blocks of at most
     2048 keys (4096 gained nothing or lost there), and the backward keeps its own
     candidates."""
     kw = dict(num_q_heads=12, num_kv_heads=12, head_dim=128, dtype=jnp.bfloat16, generation=gen)

@@ -314,13 +314,24 @@ def test_init_and_write_back_regions_are_charged_per_output_tile():
     assert s.hot_loop() is not s.grid_loop()
     model = M.work_model_inputs(s)
     assert model["step_bundles"] == 14 and model["per_step_overhead_bundles"] == 11
-    assert M.step_regions(model) == {"first": 3, "last": 2, "sides": []}
+    assert M.step_regions(model) == {"first": 3, "last": 2, "sides": [], "first_last_loops": 0}
     kw = dict(mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=_Gen, hot_iterations=10)
     t = M.scheduled_from_work(model, output_tiles=2, **kw)
     # 10 steps x (11 - 5) bundles, init + write-back on 2 output tiles, 10 hot iterations of 3,
     # prologue + epilogue
     assert t["scheduled_us"] == pytest.approx((10 * 6 + 2 * 5 + 10 * 3 + 2) * 1e-3)
     assert t["per_tile_region_bundles"] == 5
+    # a rolled loop of 1 bundle inside the write-back region (flash's write-out loop per head),
+    # read once there, runs 4 iterations per output tile: 3 more on each of the 2 tiles
+    _, (a, b) = M.first_last_spans(model["regions"], tuple(model["work"]))
+    looped = dict(model, step_loops=[[a + 1, a + 2, 1, -1, 0, 0]])
+    assert M.step_regions(looped)["first_last_loops"] == 1
+    t4 = M.scheduled_from_work(looped, output_tiles=2, output_loop_trips=4, **kw)
+    assert t4["scheduled_us"] == pytest.approx(t["scheduled_us"] + 2 * 3 * 1e-3)
+    assert t4["per_tile_region_bundles"] == 5 + 3
+    # a loop outside the regions is not theirs
+    outside = dict(model, step_loops=[[b + 1, b + 2, 1, -1, 0, 0]])
+    assert M.step_regions(outside)["first_last_loops"] == 0
     # without the count (an implementation that does not know it) every step pays them
     per_step = M.scheduled_from_work(model, **kw)
     assert per_step["scheduled_us"] == pytest.approx((10 * 11 + 10 * 3 + 2) * 1e-3)
@@ -374,7 +385,7 @@ def test_cond_sides_charge_one_side_per_step():
     assert s.hot_loop() is s.grid_loop()
     model = M.work_model_inputs(s)
     assert model["step_bundles"] == 14 and model["mxu_branches"] == [[4, 1], [3, 1]]
-    assert M.step_regions(model) == {"first": 1, "last": 0, "sides": [4, 3]}
+    assert M.step_regions(model) == {"first": 1, "last": 0, "sides": [4, 3], "first_last_loops": 0}
     kw = dict(mxu_flops=8.0, grid_steps=8, hbm_bytes=0.0, generation=_Gen)
     t = M.scheduled_from_work(
         model, flops_per_hot_iteration=1.0, output_tiles=2, last_side_runs=2, **kw

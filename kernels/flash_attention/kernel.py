@@ -678,6 +678,14 @@ FINISH_ROWS = NUM_LANES
 FINISH_UNROLL = 8
 
 
+def finish_unroll(block_q: int) -> tuple[int, int]:
+    """(chunks a loop iteration, iterations) of one head's write-out loop of a q block of
+    `block_q` rows (block_q a multiple of FINISH_ROWS)."""
+    n = block_q // FINISH_ROWS
+    unroll = math.gcd(n, FINISH_UNROLL)
+    return unroll, n // unroll
+
+
 def _normalise_and_store(o_ref, lse_ref, m_ref, l_ref, acc_ref):
     """A q block's write-out: o = acc / l and lse = m ln 2 + ln l per query row (a row that saw no
     key gets o = 0 and lse = BIG_LSE), FINISH_ROWS rows of a head at a time, FINISH_UNROLL chunks
@@ -715,8 +723,8 @@ def _normalise_and_store(o_ref, lse_ref, m_ref, l_ref, acc_ref):
                 g, pl.ds(r0, FINISH_ROWS), FINISH_ROWS
             )
 
-        n = block_q // FINISH_ROWS
-        jax.lax.fori_loop(0, n, chunk, None, unroll=math.gcd(n, FINISH_UNROLL))
+        unroll, trips = finish_unroll(block_q)
+        jax.lax.fori_loop(0, unroll * trips, chunk, None, unroll=unroll)
 
 
 def _pad_axis(x, axis, size, value=0):
