@@ -13,7 +13,7 @@ for the reader of the errors it prints; tests hold every point to the model's to
 (test_shared_contract.py the forward's, test_flash_attention_kernel.py the backward's).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/flash_dump_points.py [--pass fwd|dkv|dq|fused] \\
-        [--generation v6e] [--write]
+        [--generation v6e] [--jobs 2] [--keep DIR] [--write]
 """
 
 from __future__ import annotations
@@ -170,10 +170,16 @@ def main(argv=None) -> int:
         and (args.generation is None or p["generation"] == args.generation)
     ]
     commands = list(dict.fromkeys(p["command"] for p in points))
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.jobs))
-    schedules = {
-        c: pool.submit(_dump, c, args.keep) for c in commands
-    }  # each a compile in a subprocess
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        # each dump a compile in its own subprocess; the points read them as they finish
+        schedules = {c: pool.submit(_dump, c, args.keep) for c in commands}
+        _refresh(points, schedules, data if args.write else None)
+    return 0
+
+
+def _refresh(points: list, schedules: dict, data: dict | None) -> None:
+    """Each point's measured and model fields from its command's dump; with `data`, the
+    calibration file rewritten after every point (a later dump's failure keeps the earlier)."""
     worst = 0.0
     for p in points:
         before = p["dump_bundles_per_tile"]
@@ -187,10 +193,9 @@ def main(argv=None) -> int:
             f"{p['dump_bundles_per_tile']} per tile, model {p['model_bundles_per_tile']} "
             f"({p['model_error']:+.3f})"
         )
-        if args.write:  # after every point: a later dump's failure keeps the earlier ones
+        if data is not None:
             CALIBRATION.write_text(json.dumps(data, indent=1) + "\n")
     print(f"largest model error (calibration and held-out points): {worst:.4f}")
-    return 0
 
 
 if __name__ == "__main__":
