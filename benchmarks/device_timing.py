@@ -616,6 +616,12 @@ MEASURED_FILES = (
     # (kernel._masked_scores), four named rows; v5e_flash_before_bias_mask.json the previous
     # kernel in the same session, v5e_flash_check_bias_mask.json the checks (backward too)
     "v5e_flash_bias_mask.json",
+    # our gmm at the tiles it picks once ragged dot's VMEM budget became flash attention's
+    # (tpu_generations.vmem_budget_bytes), the v5e rows whose tiles moved: DeepSeek-V3-like (its
+    # previous tiles timed in the files above) and Mixtral-8x7B (previous tiles beside the new ones
+    # in the same session: v5e_gmm_tile_sweep_budget.json)
+    "v5e_ragged_ours_budget.json",
+    "v5e_ragged_ours_budget_mixtral.json",
 )
 
 

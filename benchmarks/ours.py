@@ -196,21 +196,79 @@ def _work_list(T, group_sizes, m: int, tm: int, unit: int, kind: str) -> dict:
     return T._fields(wl)
 
 
-def gmm_trips(mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=False) -> dict:
+# The gmm calls a ragged row's shape stands for besides the plain forward (tile_sweep.py
+# --scheduled --pass): "dlhs", the lhs gradient (dout [M, N] times the forward's weights [G, K, N]
+# read with transpose_rhs, -> [M, K]); "int8", the forward with int8 weights and f32 scales
+# [G, N]; "gated", the gate_up gmm with its SiLU gate fused (concatenated layout: weights
+# [G, K, N], N / 2 output columns).
+GMM_VARIANTS = ("gmm", "dlhs", "int8", "gated")
+
+
+def gmm_variant(shape, variant: str):
+    """(the shape as `variant`'s gmm sees it, K its contraction and N its output columns; the
+    call's options: `rhs_dtype`, `transpose_rhs`, `gate_layout`)."""
+    import dataclasses
+
+    if variant == "gmm":
+        return shape, {}
+    if variant == "dlhs":
+        return dataclasses.replace(shape, k=shape.n, n=shape.k), {"transpose_rhs": True}
+    if variant == "int8":
+        return shape, {"rhs_dtype": "int8"}
+    if variant == "gated":
+        return dataclasses.replace(shape, n=shape.n // 2), {"gate_layout": "concatenated"}
+    raise ValueError(f"variant must be one of {GMM_VARIANTS}, got {variant!r}")
+
+
+def gmm_variant_row(mod, shape, variant: str, generation: str, tiles=None):
+    """(tiles, KernelCost, trips) of `variant` at `shape`: the kernel's own tiles unless given,
+    `estimate_cost` and `gmm_trips` of that call; the shape is `gmm_variant`'s."""
+    T = mod.tiling
+    vshape, opts = gmm_variant(shape, variant)
+    m, k, n, dt = vshape.m, vshape.k, vshape.n, vshape.dtype
+    rhs_dtype = opts.get("rhs_dtype", dt)
+    gate = opts.get("gate_layout")
+    t = tiles or T.gmm_tiling(
+        m, k, n, dt, rhs_dtype, dt, num_groups=shape.experts, generation=generation,
+        gate_layout=gate,
+    )  # fmt: skip
+    wn = 2 * n if gate else n
+    rhs_shape = (shape.experts, wn, k) if opts.get("transpose_rhs") else (shape.experts, k, wn)
+    cost = T.estimate_cost(
+        "gmm", (m, k), rhs_shape, shape.group_sizes, lhs_dtype=dt, rhs_dtype=rhs_dtype,
+        out_dtype=dt, transpose_rhs=bool(opts.get("transpose_rhs")), tiling=t,
+        generation=generation, gate_layout=gate,
+    )  # fmt: skip
+    trips = gmm_trips(
+        mod, shape.group_sizes, m, k, n, dt, t, generation, per_step=True,
+        rhs_dtype=rhs_dtype, gate_layout=gate,
+    )  # fmt: skip
+    return t, cost, trips
+
+
+def gmm_trips(
+    mod, group_sizes, m, k, n, dtype, t, generation=None, per_step=False, *,
+    rhs_dtype=None, gate_layout=None,
+) -> dict:  # fmt: skip
     """`RaggedDot.schedule_trips` for any gmm call: the ragged_dot package `mod`, the call's
-    group sizes, problem size and dtype, its tiling `t` and the generation it compiles for (the
-    window columns depend on it). `per_step`: also each grid step's work (`step_work`, so the
-    schedule overlaps DMA and compute per step)."""
+    group sizes, problem size (n: output columns) and dtype (`rhs_dtype`: the weights', when
+    they differ; `gate_layout`: a fused gate's), its tiling `t` and the generation it compiles
+    for (the window columns depend on it). `per_step`: also each grid step's work (`step_work`,
+    so the schedule overlaps DMA and compute per step)."""
     T, K = mod.tiling, mod.kernel
     unit = T.row_unit(dtype)
     wl = _work_list(T, group_sizes, m, t.tm, unit, "gmm")
-    chunks = t.tn // K._n_chunk(t.tk, t.tn, T.get_generation(generation), t.tm, unit)
+    gen = T.get_generation(generation)
+    n_rhs, cols = T._weight_blocks(t.tn, gate_layout)
+    chunks = cols // K._n_chunk(t.tk, cols, gen, t.tm, unit, n_rhs)
     # the kernel's own per-step work (tiling.gmm_step_work; the tile ranking reads it too, and
     # test_benchmarks checks its copies against the generic BlockSpec model)
     isz = np.dtype(dtype).itemsize
-    gen = T.get_generation(generation)
+    wsz = np.dtype(rhs_dtype or dtype).itemsize
     prefetch = T.prefetches_runs(k, t.tk, n, t.tn, gen)
-    w = T.gmm_step_work(wl, k, n, t.tm, t.tk, t.tn, unit, isz, isz, isz, prefetch_runs=prefetch)
+    w = T.gmm_step_work(
+        wl, k, n, t.tm, t.tk, t.tn, unit, isz, wsz, isz, gate_layout, prefetch_runs=prefetch
+    )
     trips = {
         "hot_iterations": float(w["full"].sum() * chunks),
         "side_region_runs": float(w["tail"].sum() * chunks),

@@ -341,6 +341,12 @@ TRAINING_FILES = (
     # forward + backward with the forward adding one head's mask as a bias (kernel._masked_scores),
     # two shapes; v5e_train_flash_before_bias_mask.json the previous kernel in the same session
     "v5e_train_flash_bias_mask.json",
+    # ours' dlhs (and fused gate, same tiles) of Mixtral-8x7B gate_up 4096 once ragged dot's VMEM
+    # budget became flash attention's; v5e_train_dlhs_vmem_model.json timed the previous tiles
+    "v5e_train_dlhs_budget.json",
+    # ours' tgmm of DeepSeek-V3-like down 4096 at that budget's tiles (512 / 1024 / 7168; the
+    # previous 1024 / 2048 / 1024 in v5e_train_tgmm_step_profile.json)
+    "v5e_train_tgmm_budget.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -465,6 +471,13 @@ TILE_SWEEPS = (
     # tgmm (the weight gradient) at 16384 and 4096 tokens: other row tiles against the picks
     "v5e_tgmm_tile_sweep_t16384.json",
     "v5e_tgmm_tile_sweep_t4096.json",
+    # the gmm's picks once ragged dot's VMEM budget became flash attention's (75.2 MiB on v5e)
+    # beside the tiles they replace (the DeepSeek-V3-like pairs ran out of the chip's HBM in the
+    # sweep's inputs and are left out)
+    "v5e_gmm_tile_sweep_budget.json",
+    # tgmm's picks at that budget beside the tiles they replace (one session)
+    "v5e_tgmm_tile_sweep_budget_t4096.json",
+    "v5e_tgmm_tile_sweep_budget_t16384.json",
 )
 
 

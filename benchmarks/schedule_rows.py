@@ -401,10 +401,13 @@ def schedule_entry(
     cache_only: bool = False,
     summary: dict | None = None,
     tiles=None,
+    trips: dict | None = None,
 ) -> dict | None:
     """The `scheduled` entry of a row's generation: compiled-schedule figures and, where the
     implementation's hot-loop work is known, its scheduled time. `summary` and `tiles`: the
-    `compiled_summary` of the row at other tiles than its own, and those tiles (ours)."""
+    `compiled_summary` of the row at other tiles than its own, and those tiles (ours); `trips`:
+    the call's trip counts where the caller has them (another call than the row's op, as
+    tile_sweep.py's gmm variants), in place of the adapter's `schedule_trips`."""
     s = summary or read_schedule(kind, impl, shape.name, generation, use_cache, cache_only)
     if s is None:
         return None
@@ -414,8 +417,7 @@ def schedule_entry(
     hot = s.get("hot") or {}
     out["hot_mxu_occupancy"] = hot.get("occupancy", {}).get("MXU")
     out["hot_bundles"] = hot.get("bundles")
-    trips = None
-    if impl == "ours":
+    if impl == "ours" and trips is None:
         import ours
 
         fn = getattr(ours.ADAPTERS[kind], "schedule_trips", None)

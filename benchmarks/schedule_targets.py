@@ -179,20 +179,43 @@ def lower_megablox_tgmm(generation: str, shape: str, tiles):
     return _lowered(generation, fn, avals)
 
 
-def compile_gmm_tiles(generation: str, shape: str, tiles=None):
-    """Our gmm forward, the named ragged row's program, at explicit tiles (tm, tk, tn) (the
+def compile_gmm_tiles(generation: str, shape: str, tiles=None, variant: str = "gmm"):
+    """Our gmm, the named ragged row's program, at explicit tiles (tm, tk, tn) (the
     generation's own when None): what `tile_sweep.py` times on a chip, compiled deviceless so
-    its schedule can be read beside the chip's time (op-name filter ragged_dot_gmm)."""
+    its schedule can be read beside the chip's time (op-name filter ragged_dot_gmm). `variant`
+    (benchmarks/ours.py GMM_VARIANTS): the forward, or the dlhs, int8 or fused-gate call the
+    row's shape stands for (`ours.gmm_variant`)."""
+    return _gmm_variant_lowered(generation, shape, tiles, variant).compile()
+
+
+def _gmm_variant_lowered(generation, shape, tiles, variant, layout="concatenated"):
+    """The lowered program of `compile_gmm_tiles` (and `compile_gated`, any `layout`)."""
     import jax.numpy as jnp
 
+    import ours
+
     s, mod, dt = _ragged(shape)
+    vs, opts = ours.gmm_variant(s, variant)
     t = mod.tiling.GmmTiling(*tiles) if tiles else None
+    kw = dict(tiling=t, generation=generation)
+    wn = 2 * vs.n if variant == "gated" else vs.n
+    w = ((s.experts, wn, vs.k) if opts.get("transpose_rhs") else (s.experts, vs.k, wn), dt)
+    avals = [((vs.m, vs.k), dt), w, ((s.experts,), jnp.int32)]
+    if variant == "gated":
+        fn = lambda x, w, gs: mod.kernel.gmm_gated(x, w, gs, layout=layout, **kw)  # noqa: E731
+    elif variant == "int8":
+        avals[1] = (w[0], jnp.int8)
+        avals.append(((s.experts, vs.n), jnp.float32))
 
-    def fn(lhs, rhs, gs):
-        return mod.kernel.gmm(lhs, rhs, gs, out_dtype=dt, tiling=t, generation=generation)
+        def fn(x, w, gs, scales):
+            return mod.kernel.gmm(x, w, gs, scales, out_dtype=dt, **kw)
+    else:
+        transpose = bool(opts.get("transpose_rhs"))
 
-    avals = [((s.m, s.k), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
-    return _lowered(generation, fn, avals).compile()
+        def fn(x, w, gs):
+            return mod.kernel.gmm(x, w, gs, transpose_rhs=transpose, out_dtype=dt, **kw)
+
+    return _lowered(generation, fn, avals)
 
 
 def compile_flash_tiles(generation: str, shape: str, tiles):
@@ -246,15 +269,7 @@ def compile_dlhs(generation: str, shape: str):
     """Our dlhs (the forward's lhs gradient: dout [M, N] times the same weights [G, K, N] read
     with transpose_rhs, -> [M, K]) at the named ragged benchmark shape with the generation's
     default tiles (op-name filter ragged_dot_gmm)."""
-    import jax.numpy as jnp
-
-    s, mod, dt = _ragged(shape)
-
-    def fn(dout, w, gs):
-        return mod.kernel.gmm(dout, w, gs, transpose_rhs=True, generation=generation)
-
-    avals = [((s.m, s.n), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
-    return _lowered(generation, fn, avals).compile()
+    return compile_gmm_tiles(generation, shape, variant="dlhs")
 
 
 def compile_xla_dot(generation: str, m: int = 32768, k: int = 14336, n: int = 4096):
@@ -274,16 +289,7 @@ def compile_gated(generation: str, shape: str, layout: str = "concatenated", til
     """Our gate_up gmm with its SiLU gate fused (`kernel.gmm_gated`, weights [G, K, N] with N =
     2I) at the named gate_up shape, the generation's default tiles or explicit (tm, tk, tn)
     (op-name filter ragged_dot_gmm)."""
-    import jax.numpy as jnp
-
-    s, mod, dt = _ragged(shape)
-    t = mod.tiling.GmmTiling(*tiles) if tiles else None
-
-    def fn(x, w, gs):
-        return mod.kernel.gmm_gated(x, w, gs, layout=layout, tiling=t, generation=generation)
-
-    avals = [((s.m, s.k), dt), ((s.experts, s.k, s.n), dt), ((s.experts,), jnp.int32)]
-    return _lowered(generation, fn, avals).compile()
+    return _gmm_variant_lowered(generation, shape, tiles, "gated", layout).compile()
 
 
 def compile_flash_bwd_tiles(generation: str, shape: str, tiles, fused: bool = False):

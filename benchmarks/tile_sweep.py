@@ -17,7 +17,8 @@ Tiles: tm,tk,tn for the gmm and the tgmm (`--pass tgmm`: x [M, K], dy [M, N] -> 
 training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute for the flash
 forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
 the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the
-tgmm's through benchmarks/tgmm_schedule.py's rows). `--vary FIELD=V1,V2` times, per shape, the
+tgmm's through benchmarks/tgmm_schedule.py's rows), and those of the gmm's dlhs, int8-weight and
+fused-gate calls at the row's shape (`--pass dlhs|int8|gated`). `--vary FIELD=V1,V2` times, per shape, the
 kernel's own tiling with that one field changed (FIELDS names them), so one sweep covers shapes
 whose own tilings differ. Every tiling is timed like a named row (device_timing.time_call);
 `--interpret` runs a small shape in TPU interpret mode (the plumbing, on a CPU).
@@ -86,6 +87,10 @@ def _sweep(adapter, args, shape, gen):
     choice first, then `--tiles`, then `--vary`'s changes of the own tiling."""
     if args.pass_name == "tgmm":
         own = adapter.mod.tiling.TgmmTiling(*tgmm_schedule.default_tiles(shape, gen))
+    elif args.pass_name in GMM_VARIANT_PASSES:
+        import ours
+
+        own = ours.gmm_variant_row(adapter.mod, shape, args.pass_name, gen)[0]
     else:
         own = (adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles)(shape, gen)
     tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
@@ -116,18 +121,32 @@ SCHEDULED_TARGETS = {
 }
 
 
-def _scheduled_forward(adapter, kind, shape, gen, tiles) -> dict:
-    """The gmm or flash forward at `tiles`, compiled deviceless and scheduled as its named row
-    is (the tiling's own work list, trips and per-step copies)."""
+# The gmm calls besides the forward that `--scheduled` reads (benchmarks/ours.py GMM_VARIANTS).
+GMM_VARIANT_PASSES = ("dlhs", "int8", "gated")
+
+
+def _scheduled_forward(adapter, kind, shape, gen, tiles, variant="gmm") -> dict:
+    """The gmm (or, `variant`, its dlhs, int8 or fused-gate call) or flash forward at `tiles`,
+    compiled deviceless and scheduled as its named row is (the tiling's own work list, trips
+    and per-step copies)."""
     import schedule_rows
 
     args = {"shape": shape.name, "tiles": _fields(kind, tiles)}
+    trips = None
+    if variant != "gmm":
+        import ours
+
+        args["variant"] = variant
+        _, cost, trips = ours.gmm_variant_row(adapter.mod, shape, variant, gen, tiles)
+        info = {"tiling": _fields(kind, tiles), "notes": []}
+        shape = ours.gmm_variant(shape, variant)[0]
+    else:
+        cost, info = adapter.cost(shape, gen, tiles)
     summary = schedule_rows.compiled_summary(kind, "ours", SCHEDULED_TARGETS[kind], args, gen)
     if "error" in summary:
         return summary
-    cost, info = adapter.cost(shape, gen, tiles)
     return schedule_rows.schedule_entry(
-        kind, "ours", shape, gen, cost, info, summary=summary, tiles=tiles
+        kind, "ours", shape, gen, cost, info, summary=summary, tiles=tiles, trips=trips
     )
 
 
@@ -152,7 +171,9 @@ def _scheduled(args) -> dict:
             if args.pass_name == "tgmm":  # tgmm_schedule's row: its cache, its trip counts
                 row = tgmm_schedule.row("ours", shape, gen, tuple(rec["tiles"]))
             else:
-                row = _scheduled_forward(adapter, args.kernel, shape, gen, tiles)
+                row = _scheduled_forward(
+                    adapter, args.kernel, shape, gen, tiles, args.pass_name.replace("tgmm", "gmm")
+                )
             rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
             print(json.dumps(rec), flush=True)
             doc["rows"].append(rec)
@@ -172,9 +193,10 @@ def main(argv=None):
         "--pass",
         dest="pass_name",
         default="gmm",
-        choices=("gmm", "tgmm"),
+        choices=("gmm", "tgmm", *GMM_VARIANT_PASSES),
         help="ragged_dot: the forward gmm (default) or the weight gradient tgmm, whose own "
-        "tiling is the one benchmarks/tgmm_schedule.py rows",
+        "tiling is the one benchmarks/tgmm_schedule.py rows; with --scheduled also the gmm's "
+        "dlhs, int8-weight and fused-gate calls (benchmarks/ours.py GMM_VARIANTS)",
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shape, TPU interpret mode")
@@ -186,8 +208,10 @@ def main(argv=None):
         "the tgmm)",
     )
     args = p.parse_args(argv)
-    if args.pass_name == "tgmm" and args.kernel != "ragged_dot":
-        p.error("--pass tgmm: the ragged_dot kernel only")
+    if args.pass_name != "gmm" and args.kernel != "ragged_dot":
+        p.error(f"--pass {args.pass_name}: the ragged_dot kernel only")
+    if args.pass_name in GMM_VARIANT_PASSES and not args.scheduled:
+        p.error(f"--pass {args.pass_name}: with --scheduled only")
     if args.scheduled:
         return _scheduled(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

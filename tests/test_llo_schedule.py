@@ -684,6 +684,39 @@ def test_tile_sweep_reads_other_gmm_tilings_from_the_compiled_schedule(tmp_path)
     assert other["scheduled_us"] > 0 and other["scheduled_us"] != own["scheduled_us"]
 
 
+def test_tile_sweep_schedules_the_gmms_other_calls(tmp_path):
+    """`tile_sweep.py --scheduled GEN --pass dlhs|int8` (no chip): the gmm's lhs gradient
+    (weights read transposed) and its int8-weight forward, each compiled as it runs and
+    scheduled on its own work list, at the tiles the kernel picks for that call; the forward
+    through the same path (`ours.gmm_variant_row`) is the named row's cost and trips."""
+    import numpy as np
+
+    import ours
+    import shapes
+    import tile_sweep
+
+    shape = next(s for s in shapes.NAMED["ragged_dot"] if s.name == "qwen3_30b_a3b_down_t64")
+    adapter = ours.ADAPTERS["ragged_dot"]
+    tiles, cost, trips = ours.gmm_variant_row(adapter.mod, shape, "gmm", "v5e")
+    assert tiles == adapter.tiles(shape, "v5e") and cost == adapter.cost(shape, "v5e")[0]
+    own = adapter.schedule_trips(shape, "v5e")
+    assert trips.keys() == own.keys() and trips["hot_iterations"] == own["hot_iterations"]
+    for key, steps in own["step_work"].items():
+        np.testing.assert_array_equal(trips["step_work"][key], steps)
+    T = adapter.mod.tiling
+    for variant, (k, n, rhs) in {
+        "dlhs": (shape.n, shape.k, "bfloat16"),
+        "int8": (shape.k, shape.n, "int8"),
+    }.items():
+        out = tmp_path / f"{variant}.json"
+        args = ["--scheduled", "v5e", "--pass", variant, "--shape", shape.name, "--out", str(out)]
+        (row,) = tile_sweep.main(args)["rows"]
+        t = T.gmm_tiling(shape.m, k, n, "bfloat16", rhs, "bfloat16", num_groups=shape.experts,
+                         generation="v5e")  # fmt: skip
+        assert row["kernel_choice"] and row["tiles"] == [t.tm, t.tk, t.tn], row
+        assert row["scheduled_us"] > 0 and "error" not in row, row
+
+
 def _assert_fits_one_overlay(target, generation, args, name, dump_dir):
     """The largest Mosaic kernel of one deviceless compile fits one instruction-memory overlay of
     the top-level program: it is at most the largest overlay plus 16 bundles (the XLA ops around

@@ -214,28 +214,26 @@ def vmem_limit_bytes(gen: TpuGeneration, needed_bytes: int) -> int:
 
 
 # The VMEM each family's tile search may fill, as a share of the one per-generation capacity
-# above. The three shares are the effective budgets the families had when the collection was
-# unified (v6e: 75.2, 64 and 36 MiB of the 96 MiB capacity; TPU7x: 36.8, 32 and 24 MiB). One
-# common share would change default tiles at production shapes, and with them the compiled
-# programs that benchmarks/results/results.md describes, so they are kept, named here and nowhere
-# else; making them one is a tile-policy change to be checked on the compiled schedules.
+# above, named here and nowhere else. Flash attention and ragged dot search up to everything
+# `vmem_limit_bytes` can grant; ragged dot's 2/3 share (v6e 64 of 96 MiB, TPU7x 32 of 48), the
+# budget it had when the collection was unified, was lifted after the compiled schedules of the
+# tiles it kept out were read: whole-K or full-N weight blocks that copy each lhs row once
+# (v6e Mixtral-8x7B down, 4096 tokens: 1859 -> 1470 us scheduled; benchmarks/results/results.md).
+# Paged attention keeps its smaller share: its preference list takes the first entry that fits.
 VMEM_BUDGET_FAMILIES = ("flash_attention", "ragged_dot", "paged_attention")
 
 
 def vmem_budget_bytes(gen: TpuGeneration, family: str) -> int:
     """VMEM the tile search of `family` may fill on `gen` (every family's tiling reads it here).
 
-    flash_attention: all of the capacity that `vmem_limit_bytes` can still grant after its
-      headroom: (capacity - 2 MiB) / 1.25.
-    ragged_dot: 2/3 of the capacity (half the physical VMEM).
+    flash_attention, ragged_dot: all of the capacity that `vmem_limit_bytes` can still grant
+      after its headroom: (capacity - 2 MiB) / 1.25 (v5e / v6e 75.2 MiB, TPU7x 36.8 MiB).
     paged_attention: 3/4 of the larger of the default scoped limit and half the capacity (its
       fixed tile preference list takes the first entry that fits).
     """
     cap = vmem_capacity_bytes(gen)
-    if family == "flash_attention":
+    if family in ("flash_attention", "ragged_dot"):
         return int((cap - VMEM_LIMIT_EXTRA_BYTES) / VMEM_LIMIT_MARGIN)
-    if family == "ragged_dot":
-        return cap * 2 // 3
     if family == "paged_attention":
         return max(gen.scoped_vmem_default_bytes, cap // 2) * 3 // 4
     raise ValueError(f"unknown kernel family {family!r}; expected one of {VMEM_BUDGET_FAMILIES}")
