@@ -152,10 +152,10 @@ def _scheduled_forward(adapter, kind, shape, gen, tiles, variant="gmm") -> dict:
 
 def _scheduled(args) -> dict:
     """`--scheduled GEN`: the sweep's tilings read from the compiled schedule instead of a chip
-    (the gmm and the flash forward: `schedule_rows.compiled_summary` of their
-    SCHEDULED_TARGETS, timed by `schedule_rows.schedule_entry` with the tiling's own work list
-    and per-step copies; the tgmm: `tgmm_schedule.row`): does the schedule order the tilings
-    as the chip does?"""
+    (the gmm, its dlhs / int8 / fused-gate calls and the flash forward:
+    `schedule_rows.compiled_summary` of their SCHEDULED_TARGETS, timed by
+    `schedule_rows.schedule_entry` with the tiling's own work list and per-step copies; the
+    tgmm: `tgmm_schedule.row`): does the schedule order the tilings as the chip does?"""
     import ours
 
     adapter, gen = ours.ADAPTERS[args.kernel], args.scheduled  # (no chip: any packages)
@@ -171,9 +171,7 @@ def _scheduled(args) -> dict:
             if args.pass_name == "tgmm":  # tgmm_schedule's row: its cache, its trip counts
                 row = tgmm_schedule.row("ours", shape, gen, tuple(rec["tiles"]))
             else:
-                row = _scheduled_forward(
-                    adapter, args.kernel, shape, gen, tiles, args.pass_name.replace("tgmm", "gmm")
-                )
+                row = _scheduled_forward(adapter, args.kernel, shape, gen, tiles, args.pass_name)
             rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
             print(json.dumps(rec), flush=True)
             doc["rows"].append(rec)
