@@ -220,6 +220,16 @@ def gmm_variant(shape, variant: str):
     raise ValueError(f"variant must be one of {GMM_VARIANTS}, got {variant!r}")
 
 
+def gmm_variant_tiles(mod, shape, variant: str, generation: str):
+    """The tiles the kernel picks for `variant` at `shape` (`gmm_variant`'s problem)."""
+    vshape, opts = gmm_variant(shape, variant)
+    dt = vshape.dtype
+    return mod.tiling.gmm_tiling(
+        vshape.m, vshape.k, vshape.n, dt, opts.get("rhs_dtype", dt), dt,
+        num_groups=shape.experts, generation=generation, gate_layout=opts.get("gate_layout"),
+    )  # fmt: skip
+
+
 def gmm_variant_row(mod, shape, variant: str, generation: str, tiles=None):
     """(tiles, KernelCost, trips) of `variant` at `shape`: the kernel's own tiles unless given,
     `estimate_cost` and `gmm_trips` of that call; the shape is `gmm_variant`'s."""
@@ -228,10 +238,7 @@ def gmm_variant_row(mod, shape, variant: str, generation: str, tiles=None):
     m, k, n, dt = vshape.m, vshape.k, vshape.n, vshape.dtype
     rhs_dtype = opts.get("rhs_dtype", dt)
     gate = opts.get("gate_layout")
-    t = tiles or T.gmm_tiling(
-        m, k, n, dt, rhs_dtype, dt, num_groups=shape.experts, generation=generation,
-        gate_layout=gate,
-    )  # fmt: skip
+    t = tiles or gmm_variant_tiles(mod, shape, variant, generation)
     wn = 2 * n if gate else n
     rhs_shape = (shape.experts, wn, k) if opts.get("transpose_rhs") else (shape.experts, k, wn)
     cost = T.estimate_cost(

@@ -90,7 +90,7 @@ def _sweep(adapter, args, shape, gen):
     elif args.pass_name in GMM_VARIANT_PASSES:
         import ours
 
-        own = ours.gmm_variant_row(adapter.mod, shape, args.pass_name, gen)[0]
+        own = ours.gmm_variant_tiles(adapter.mod, shape, args.pass_name, gen)
     else:
         own = (adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles)(shape, gen)
     tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
