@@ -478,6 +478,10 @@ TILE_SWEEPS = (
     # tgmm's picks at that budget beside the tiles they replace (one session)
     "v5e_tgmm_tile_sweep_budget_t4096.json",
     "v5e_tgmm_tile_sweep_budget_t16384.json",
+    # int8 weights (--pass int8) once a one-K-block weight copy is widened once per run of a
+    # group's items: the new picks beside the tiles they replace, all on the new kernel (the
+    # previous kernel's times, same session: v5e_int8_tile_sweep_before_prepare_once.json)
+    "v5e_int8_tile_sweep_prepare_once.json",
 )
 
 

@@ -209,6 +209,28 @@ def first_last_spans(regions, work: tuple[int, int]) -> tuple:
     return init, end
 
 
+def prepare_span(regions, work: tuple[int, int]) -> tuple | None:
+    """The (branch, end) bundles of the step's weight-prepare region: the last region before the
+    work that loads and stores without MXU work (a gmm's int8 / e4m3 weight block widened, or a
+    K tail zeroed, into a VMEM copy: `first_last_spans`' rule leaves it out of init), found only
+    where the regions carry op counts. None where there is none."""
+    lo, hi = work
+    before = [
+        r
+        for r in regions
+        if len(r) >= 5
+        and not r[2]
+        and r[1] <= lo
+        and not (r[0] <= lo and hi <= r[1])
+        and r[3] > 0
+        and r[4] > 0
+    ]
+    if not before:
+        return None
+    r = max(before, key=lambda r: (r[0], r[1]))
+    return (r[0], r[1])
+
+
 def _region_rows(sched: Schedule, grid: Loop) -> list[list[int]]:
     """The grid step's predicated regions as [branch, end, MXU pushes, loads, stores], relative to
     the grid loop's first bundle (cacheable numbers for `first_last_regions`)."""
@@ -428,13 +450,15 @@ def align_loop_trips(
 def step_regions(model: dict) -> dict:
     """How a grid step's predicated regions are charged, from a `work_model_inputs` model:
     `first`/`last`, the bundles of the output tile's init and finalize regions
-    (`first_last_regions`: charged once per output tile, not per step), and where the hot loop is
+    (`first_last_regions`: charged once per output tile, not per step), `prepare`, those of the
+    weight-prepare region (`prepare_span`: charged by `prepare_runs` where a kernel passes it),
+    and where the hot loop is
     the grid loop, `sides`, the step's alternative bodies (`split_bodies`: e.g. a gmm's "other K
     tiles" / "last K tile" sides of a `lax.cond`, of which a step runs one). All zero / empty for
     a model cached before the regions were recorded (every region is then charged per step)."""
     regions = model.get("regions")
     if "step_bundles" not in model:
-        return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0}
+        return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0, "prepare": 0}
     if regions is None:
         # A model cached before the regions were recorded still has the step's alternative MXU
         # paths (sibling regions with MXU work): the two sides of a `lax.cond` where the larger
@@ -442,7 +466,7 @@ def step_regions(model: dict) -> dict:
         paths = [b for b, _ in model.get("mxu_branches") or ()]
         big = len(paths) == 2 and max(paths) >= 0.15 * model["step_bundles"]
         sides = paths if model.get("hot_is_grid") and big else []
-        return {"first": 0, "last": 0, "sides": sides, "first_last_loops": 0}
+        return {"first": 0, "last": 0, "sides": sides, "first_last_loops": 0, "prepare": 0}
     sides: list[int] = []
     if model.get("hot_is_grid"):
         bodies = _bodies(model["step_bundles"], regions)
@@ -453,7 +477,7 @@ def step_regions(model: dict) -> dict:
         else:  # no alternative bodies: the step's MXU regions are its work
             mxu = [r for r in regions if r[2]]
             if not mxu:
-                return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0}
+                return {"first": 0, "last": 0, "sides": [], "first_last_loops": 0, "prepare": 0}
             work = (min(r[0] for r in mxu), max(r[1] for r in mxu))
     else:
         work = tuple(model["work"])
@@ -466,7 +490,14 @@ def step_regions(model: dict) -> dict:
         for lp in model.get("step_loops") or ()
         if any(a <= lp[0] and lp[1] <= b for a, b in spans)
     )
-    return {"first": first, "last": last, "sides": sides, "first_last_loops": inner}
+    prep = prepare_span(regions, work)
+    return {
+        "first": first,
+        "last": last,
+        "sides": sides,
+        "first_last_loops": inner,
+        "prepare": prep[1] - prep[0] - 1 if prep else 0,
+    }
 
 
 def scheduled_from_work(
@@ -484,7 +515,8 @@ def scheduled_from_work(
     `work_model_inputs(schedule)`; `generation` a tpu_generations.TpuGeneration; `trips` the
     trip-count keywords of `_call_bundles` (flops_per_hot_iteration, hot_iterations,
     side_region_runs, branch_runs, branch_pushes, output_tiles, output_loop_trips,
-    last_side_runs, loop_trips, work_items, block_loop_trips; each optional), described below.
+    last_side_runs, loop_trips, work_items, block_loop_trips, prepare_runs; each optional),
+    described below.
 
     The call's MXU work (`mxu_flops`, issued FLOPs from the kernel's closed form, which the tests
     check against the TPU interpreter) is divided into hot-loop iterations of
@@ -528,6 +560,12 @@ def scheduled_from_work(
     "last K tile" side that also writes the output, and the "other K tiles" side) passes
     `last_side_runs`, the busy steps taking the larger side: the others are charged the smaller
     one, instead of every step both (the validator's charge of tokamax's steps).
+
+    A kernel that prepares its weight block in a region of the step's own code before the work
+    (a gmm's int8 / e4m3 weights widened into a VMEM copy, `step_regions`' `prepare`) but not on
+    every step passes `prepare_runs`, how many times that region runs (with one K block: once
+    per N tile and run of a group's items): it is charged that many times instead of once per
+    grid step.
 
     A kernel whose hot loop is the grid loop and whose steps run rolled loops of data-dependent
     trip counts outside their MXU paths (the paged kernel's page DMA issue and wait loops, run
@@ -645,6 +683,8 @@ def scheduled_from_work(
             if trips["output_tiles"] is not None
             else 0
         ),
+        # the weight-prepare region, charged by prepare_runs (0: none found or none passed)
+        "prepare_region_bundles": regions.get("prepare", 0) if trips["prepare_runs"] else 0,
         "side_bundles": (
             regions["sides"]
             if trips["last_side_runs"] is not None and model.get("hot_is_grid")
@@ -676,6 +716,7 @@ def _call_bundles(
     loop_trips: Sequence[float | tuple[float, float]] | None = None,
     work_items: float | None = None,
     block_loop_trips: Sequence[float | tuple[float, float]] | None = None,
+    prepare_runs: float | None = None,
 ) -> tuple[float, float, float, float]:
     """The bundles `scheduled_from_work` charges for its trip counts (the call's, or one grid
     step's for `step_work`'s "trips"; `regions` is `step_regions(model)`): (bundles, hot
@@ -755,6 +796,9 @@ def _call_bundles(
         if output_tiles is not None:
             step -= regions["first"] + regions["last"]
             once += output_tiles * per_tile
+        if prepare_runs is not None:
+            step -= regions.get("prepare", 0)
+            once += prepare_runs * regions.get("prepare", 0)
         if last_side_runs is not None and regions["sides"]:
             last = min(last_side_runs, busy)
             step -= sum(regions["sides"])
@@ -772,6 +816,11 @@ def _call_bundles(
         if output_tiles is not None:
             per_step -= regions["first"] + regions["last"]
             once = output_tiles * per_tile
+        if prepare_runs is not None:
+            # a busy step's weight-prepare region (charged per grid step above) runs only
+            # `prepare_runs` times: the gmm's with one K block, once per run of a group's items
+            per_step -= regions.get("prepare", 0)
+            once += prepare_runs * regions.get("prepare", 0)
         bundles = (
             grid_steps * per_step
             + once

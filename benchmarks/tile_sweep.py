@@ -18,7 +18,8 @@ training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute 
 forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
 the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the
 tgmm's through benchmarks/tgmm_schedule.py's rows), and those of the gmm's dlhs, int8-weight and
-fused-gate calls at the row's shape (`--pass dlhs|int8|gated`). `--vary FIELD=V1,V2` times, per shape, the
+fused-gate calls at the row's shape (`--pass dlhs|int8|gated`; `--pass int8` is timed on a chip
+too: the forward with int8 weights). `--vary FIELD=V1,V2` times, per shape, the
 kernel's own tiling with that one field changed (FIELDS names them), so one sweep covers shapes
 whose own tilings differ. Every tiling is timed like a named row (device_timing.time_call);
 `--interpret` runs a small shape in TPU interpret mode (the plumbing, on a CPU).
@@ -114,6 +115,30 @@ def _tgmm_call(adapter, shape, gen, tiles):
     return fn, training_timing.ragged_inputs(shape)
 
 
+def _int8_call(adapter, shape, gen, tiles):
+    """(fn, args) of our gmm at `shape` and `tiles` with int8 weights and per-channel scales
+    (ours.gmm_variant "int8": the forward's shape, its weights quantised)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ours import _random
+
+    gmm = adapter.mod.kernel.gmm
+    lhs = _random(10, (shape.m, shape.k), shape.dtype)
+    # one expert's random block, shifted per expert (int8 wraps): a draw of every expert's
+    # weights at once needs 32-bit temporaries, 17.5 GB at DeepSeek-V3-like's 256 experts
+    one = jax.random.randint(jax.random.key(11), (shape.k, shape.n), -127, 128).astype(jnp.int8)
+    rhs = one[None] + jnp.arange(shape.experts, dtype=jnp.int32).astype(jnp.int8)[:, None, None]
+    scales = jnp.full((shape.experts, shape.n), 0.01, jnp.float32)
+    gs = jnp.asarray(shape.group_sizes, jnp.int32)
+    dt = jnp.dtype(shape.dtype)
+
+    def fn(lhs, rhs, gs, scales):
+        return gmm(lhs, rhs, gs, scales, out_dtype=dt, tiling=tiles, generation=gen)
+
+    return fn, (lhs, rhs, gs, scales)
+
+
 # The deviceless compile of each kernel's forward at explicit tiles (schedule_targets).
 SCHEDULED_TARGETS = {
     "ragged_dot": "schedule_targets:compile_gmm_tiles",
@@ -173,6 +198,8 @@ def _scheduled(args) -> dict:
             else:
                 row = _scheduled_forward(adapter, args.kernel, shape, gen, tiles, args.pass_name)
             rec.update({k: row[k] for k in ("scheduled_us", "bound", "error") if k in row})
+            if row.get("prepare_region_bundles"):  # int8 weights widened once per group run
+                rec["prepare_region_bundles"] = row["prepare_region_bundles"]
             print(json.dumps(rec), flush=True)
             doc["rows"].append(rec)
             args.out.write_text(json.dumps(doc, indent=1))
@@ -208,8 +235,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.pass_name != "gmm" and args.kernel != "ragged_dot":
         p.error(f"--pass {args.pass_name}: the ragged_dot kernel only")
-    if args.pass_name in GMM_VARIANT_PASSES and not args.scheduled:
-        p.error(f"--pass {args.pass_name}: with --scheduled only")
+    if args.pass_name in ("dlhs", "gated") and not args.scheduled:
+        p.error(f"--pass {args.pass_name}: with --scheduled only (training_timing.py times it)")
     if args.scheduled:
         return _scheduled(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -240,6 +267,8 @@ def main(argv=None):
                 with case_record(doc, rec, args.out, log):
                     if args.pass_name == "tgmm":
                         fn, fargs = _tgmm_call(adapter, shape, gen, tiles)
+                    elif args.pass_name == "int8":
+                        fn, fargs = _int8_call(adapter, shape, gen, tiles)
                     else:
                         fn, fargs = adapter.call(shape, gen, tiles=tiles)
                     rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))

@@ -314,7 +314,9 @@ def test_init_and_write_back_regions_are_charged_per_output_tile():
     assert s.hot_loop() is not s.grid_loop()
     model = M.work_model_inputs(s)
     assert model["step_bundles"] == 14 and model["per_step_overhead_bundles"] == 11
-    assert M.step_regions(model) == {"first": 3, "last": 2, "sides": [], "first_last_loops": 0}
+    assert M.step_regions(model) == {
+        "first": 3, "last": 2, "sides": [], "first_last_loops": 0, "prepare": 0
+    }  # fmt: skip
     kw = dict(mxu_flops=1.0, grid_steps=10, hbm_bytes=0.0, generation=_Gen, hot_iterations=10)
     t = M.scheduled_from_work(model, output_tiles=2, **kw)
     # 10 steps x (11 - 5) bundles, init + write-back on 2 output tiles, 10 hot iterations of 3,
@@ -342,6 +344,30 @@ def test_init_and_write_back_regions_are_charged_per_output_tile():
     )
 
 
+def test_weight_prepare_region_is_charged_by_its_runs():
+    """A gmm with int8 weights and one K block widens its weight block in a region before the
+    work on a group's first computing item only (`prepare_runs`), not on every grid step: the
+    region that loads what it stores right before the work (`prepare_span`)."""
+    model = M.work_model_inputs(_sched(_PER_TILE))
+    regions = [list(r) for r in model["regions"]]
+    (init,) = [r for r in regions if r[4] and not r[3] and not r[2]]
+    init[3] = 3  # the zeroing region now loads what it stores: a weight copy
+    prep = dict(model, regions=regions)
+    assert M.step_regions(prep)["prepare"] == 3 and M.step_regions(prep)["first"] == 0
+    kw = dict(mxu_flops=1.0, grid_steps=10, hot_iterations=10, hbm_bytes=0.0, generation=_Gen)
+    t = M.scheduled_from_work(prep, prepare_runs=4, **kw)
+    # 10 steps x (11 - 3) bundles, the copy on 4 of them, 10 hot iterations of 3, prologue +
+    # epilogue
+    assert t["scheduled_us"] == pytest.approx((10 * 8 + 4 * 3 + 10 * 3 + 2) * 1e-3)
+    assert t["prepare_region_bundles"] == 3
+    every = M.scheduled_from_work(prep, **kw)
+    assert every["scheduled_us"] == pytest.approx((10 * 11 + 10 * 3 + 2) * 1e-3)
+    assert every["prepare_region_bundles"] == 0
+    # no such region (the plain model's init stores constants): the count changes nothing
+    plain = M.scheduled_from_work(model, prepare_runs=4, **kw)
+    assert plain["scheduled_us"] == pytest.approx(every["scheduled_us"])
+
+
 def test_first_last_regions_need_the_init_and_write_back_signatures():
     # (branch, end, MXU pushes, loads, stores); the work spans bundles 10-20
     init, prep, fin = [2, 6, 0, 0, 8], [6, 9, 0, 4, 4], [21, 25, 0, 6, 2]
@@ -349,6 +375,10 @@ def test_first_last_regions_need_the_init_and_write_back_signatures():
     # a per-step region that loads what it stores (an int8 -> bf16 weight copy) right before
     # the work is not an accumulator init: it stays in the per-step charge
     assert M.first_last_regions([init, prep, fin], (10, 20)) == (0, 3)
+    # it is the weight-prepare region, charged by its own runs
+    assert M.prepare_span([init, prep, fin], (10, 20)) == (6, 9)
+    assert M.prepare_span([init, fin], (10, 20)) is None
+    assert M.prepare_span([(2, 6), (6, 9), (21, 25)], (10, 20)) is None  # no op counts
     # MXU regions and regions around or inside the work are neither
     assert M.first_last_regions([[21, 25, 4, 6, 2], [0, 30, 0, 1, 1]], (10, 20)) == (0, 0)
     # without op counts (the validator's structures) the adjacent small regions are taken
@@ -385,7 +415,9 @@ def test_cond_sides_charge_one_side_per_step():
     assert s.hot_loop() is s.grid_loop()
     model = M.work_model_inputs(s)
     assert model["step_bundles"] == 14 and model["mxu_branches"] == [[4, 1], [3, 1]]
-    assert M.step_regions(model) == {"first": 1, "last": 0, "sides": [4, 3], "first_last_loops": 0}
+    assert M.step_regions(model) == {
+        "first": 1, "last": 0, "sides": [4, 3], "first_last_loops": 0, "prepare": 0
+    }  # fmt: skip
     kw = dict(mxu_flops=8.0, grid_steps=8, hbm_bytes=0.0, generation=_Gen)
     t = M.scheduled_from_work(
         model, flops_per_hot_iteration=1.0, output_tiles=2, last_side_runs=2, **kw
@@ -715,6 +747,12 @@ def test_tile_sweep_schedules_the_gmms_other_calls(tmp_path):
                          generation="v5e")  # fmt: skip
         assert row["kernel_choice"] and row["tiles"] == [t.tm, t.tk, t.tn], row
         assert row["scheduled_us"] > 0 and "error" not in row, row
+    # int8 weights in one K block: the widening region is found in the compiled step and
+    # charged once per N tile and expert with rows (kernel `_prepare`), not per grid step
+    assert t.tk >= shape.k and row["prepare_region_bundles"] > 0, (t, row)
+    trips = ours.gmm_variant_row(adapter.mod, shape, "int8", "v5e", t)[2]
+    experts = sum(1 for g in shape.group_sizes if g)
+    assert trips["prepare_runs"] == -(-shape.n // t.tn) * experts
 
 
 def _assert_fits_one_overlay(target, generation, args, name, dump_dir):

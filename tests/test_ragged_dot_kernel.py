@@ -377,6 +377,37 @@ def test_quantised_gmm_tpu_interpret():
     )
 
 
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("qdtype", ["int8", "float8_e4m3fn"])
+def test_quantised_weights_prepared_once_per_group_run_tpu_interpret(qdtype):
+    """With one K block the widened weight copy is made on a group's first computing item and
+    reused by the run's others (kernel `_prepare`, tiling.weight_preparations), and made again
+    for every N tile: one group holding every row, so the group does not change from the last
+    item of one N tile to the first of the next and only the N tile's reset re-widens (without
+    it the second tile would multiply by the first tile's columns); then several runs, with
+    empty groups and rows past the groups between them. Exact against the dequantised f32
+    reference in TPU interpret mode (the copy starts NaN-filled, race-checked) and plain
+    interpret mode."""
+    rng = np.random.default_rng(12)
+    k, n, tiling = 256, 384, T.GmmTiling(16, 256, 128)  # one K block, three N tiles
+    lhs = jnp.asarray(rng.standard_normal((64, k)), jnp.bfloat16)
+    if qdtype == "int8":
+        rhs = jnp.asarray(rng.integers(-127, 128, (4, k, n)), jnp.int8)
+    else:
+        rhs = jnp.asarray(rng.standard_normal((4, k, n)) * 4, jnp.float8_e4m3fn)
+    scales = jnp.asarray(rng.uniform(0.005, 0.02, (4, n)), jnp.float32)
+    for gs in ([0, 64, 0, 0], [21, 0, 30, 5]):
+        gsa = jnp.asarray(gs, jnp.int32)
+
+        def call(p, gsa=gsa):
+            return K.gmm(lhs, rhs, gsa, scales, out_dtype=jnp.float32, tiling=tiling, interpret=p)
+
+        ref = R.gmm_reference(lhs, rhs, gs, scales)
+        for out in (call(True), _tpu_interpret(call)):
+            np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-3)
+
+
 def _run_ahead_case(variant):
     """(call(interpret) -> out, f32 reference, atol) of a gmm whose weight block holds all of K
     (tk == K), so the kernel copies the blocks a run ahead itself (tiling.prefetches_runs): two
@@ -1053,21 +1084,27 @@ def test_tgmm_tiles_are_ranked_by_the_shared_model(generation):
         assert pick.step_vregs == exact.step_vregs and pick.grid_steps == exact.grid_steps
 
 
-def test_int8_ranking_charges_each_grid_steps_weight_widening(monkeypatch):
-    """int8 weights are widened to bf16, the whole block, on every grid step that computes
-    (kernel.py `_prepare`), and the ranking charges those vregs to the step's own code
-    (tiling._prepared_vregs). Without the charge v5e Mixtral-8x7B down at 4096 tokens took
-    128-row tiles over all of K (14336), whose steps each widen a 7,168-vreg block: 9.5% slower
-    by the compiled schedule than the 512 / 2048 / 4096 it had (6977 against 6373 us,
-    `tile_sweep.py --scheduled v5e --pass int8`)."""
+def test_int8_ranking_charges_each_weight_widening(monkeypatch):
+    """int8 weights are widened to bf16, the whole block, on every grid step that computes, or
+    with one K block once per N tile and run of a group's items (kernel.py `_prepare`), and the
+    ranking charges those vregs to the steps' own code that many times (tiling._prepared_vregs,
+    weight_preparations). At v5e Mixtral-8x7B down, 4096 tokens, that makes 128-row tiles over
+    all of K (14336) the pick: each of the 8 experts' 7,168-vreg blocks widened 4 times instead
+    of on each of ~288 steps. On a TPU v5e chip they ran 5964 us against 6350 at the
+    1024 / 1024 / 4096 tiles charging every step picks (results/device/
+    v5e_int8_tile_sweep_prepare_once.json; 7471 us when every step widened)."""
     gens = importlib.import_module(f"{rd.__name__}.tpu_generations")
     g = gens.GENERATIONS["v5e"]
     args = (g, 8192, 14336, 4096, 8, "bfloat16")
-    tall = (128, 14336, 1024)
-    int8 = T.gmm_candidate_cost(*args, "int8", "bfloat16", *tall, quantised=True)
-    bf16 = T.gmm_candidate_cost(*args, "bfloat16", "bfloat16", *tall)
-    items = T._expected_windows(8192, 8, 128, 16)[0]
-    assert int8.step_vregs - bf16.step_vregs == round(4 * items) * 14336 * 1024 * 2 // 4096
+    tall, deep = (128, 14336, 1024), (1024, 1024, 4096)
+    for tiles, preparations in (
+        (tall, 4 * 8),  # one K block: N tiles x runs (the 8 experts)
+        (deep, 14 * T._expected_windows(8192, 8, 1024, 16)[0]),  # K tiles x computing items
+    ):
+        int8 = T.gmm_candidate_cost(*args, "int8", "bfloat16", *tiles, quantised=True)
+        bf16 = T.gmm_candidate_cost(*args, "bfloat16", "bfloat16", *tiles)
+        vregs = tiles[1] * tiles[2] * 2 // 4096
+        assert int8.step_vregs - bf16.step_vregs == round(preparations) * vregs, tiles
     assert T._prepared_vregs(14336, 14336, 1024, None, "bfloat16", False) == 0  # MXU reads it
 
     def pick():
@@ -1075,9 +1112,23 @@ def test_int8_ranking_charges_each_grid_steps_weight_widening(monkeypatch):
                          generation="v5e")  # fmt: skip
         return (t.tm, t.tk, t.tn)
 
-    assert pick() != tall
-    monkeypatch.setattr(T, "_prepared_vregs", lambda *a: 0)
     assert pick() == tall
+    # charged on every computing step, as before the kernel kept the copy: the deep tiles
+    monkeypatch.setattr(T, "weight_preparations", lambda nt, kt, items, runs: nt * kt * items)
+    assert pick() == deep
+
+
+def test_group_runs_are_the_work_lists_runs_of_computing_items():
+    """tiling.group_runs counts a gmm work list's runs of one group's computing items: one per
+    group with rows (empty groups have no computing item, a group spanning row tiles is one
+    run, rows past the groups compute nothing)."""
+    for gs, m in (([0, 9, 1, 14, 0, 6], 40), ([40], 40), ([0, 0, 5], 64), ([0, 0], 16)):
+        wl = T._fields(
+            T.work_list(np.asarray(gs, np.int32), m=m, tm=16, buckets=T.bucket_sizes(16, 16),
+                        unit=16, kind="gmm")
+        )  # fmt: skip
+        compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
+        assert T.group_runs(wl, compute) == sum(1 for g in gs if g), gs
 
 
 def test_tgmm_ranking_overlaps_each_steps_copies_with_its_compute():

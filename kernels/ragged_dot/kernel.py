@@ -33,8 +33,9 @@ interleaved gate (its epilogue pairs lanes across the whole tile) and an output 
 per packed tile than the lhs. Rows past sum(group_sizes) belong to a virtual group whose items do
 no MXU work and write zeros there. Items without MXU work (virtual rows, padding) point their
 lhs/rhs index maps at the block the previous step left resident, so they issue no DMA. int8 / fp8
-weights are converted to the lhs dtype once per grid step into a VMEM copy (and a K tail,
-K % tk != 0, is zeroed there and in the lhs window: garbage beyond K never meets the MXU); the
+weights are converted to the lhs dtype into a VMEM copy once per grid step, or with one K block
+once per run of a group's items (and a K tail, K % tk != 0, is zeroed there and in the lhs
+window: garbage beyond K never meets the MXU); the
 per-output-channel scale (and a bias) of the item's group is applied to its rows' sums as they
 go to the output block.
 
@@ -270,6 +271,9 @@ def _gmm_kernel(
     k_tail = k_size % tk != 0
     prepare = quantised or k_tail
     prepared_refs = [refs.pop(0) for _ in range(n_rhs)] if prepare else None
+    # With one K block a group's run of items reads one weight block (per N tile): it is
+    # prepared on the run's first computing item and kept (tiling.weight_preparations).
+    prepared_group = refs.pop(0) if prepare and kt == 1 else None
 
     nb, j, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if prefetch_runs:
@@ -317,11 +321,26 @@ def _gmm_kernel(
                 acc_ref[...] = jnp.zeros_like(acc_ref)
 
     if prepare:
-        # Once per grid step, not per window: int8 / e4m3 -> lhs dtype (exact: their values fit
-        # in bf16), and past K the last K block holds whatever lay beyond the array: zeroed
-        # (0 * NaN would still be NaN).
-        @pl.when(compute)
+        # Once per grid step (with one K block, once per run of a group's items), not per
+        # window: int8 / e4m3 -> lhs dtype (exact: their values fit in bf16), and past K the
+        # last K block holds whatever lay beyond the array: zeroed (0 * NaN would still be NaN).
+        needed = compute
+        if prepared_group is not None:
+            # The group whose block the copy holds, in SMEM: -1 at each N tile's first item (a
+            # new column block; with a "parallel" N axis each core starts its tiles there).
+            # Items without MXU work in between leave the copy as it is.
+            group = _field(wl_ref, "GROUP", j, L)
+
+            @pl.when(j == 0)
+            def _new_column_block():
+                prepared_group[0] = -1
+
+            needed = compute & (prepared_group[0] != group)
+
+        @pl.when(needed)
         def _prepare():
+            if prepared_group is not None:
+                prepared_group[0] = group
             for rhs_ref, w_ref in zip(rhs_refs, w_refs):
                 w = rhs_ref[...].astype(compute_dtype)
                 if k_tail:
@@ -668,6 +687,8 @@ def _gmm_call(
     wshape = (wcols, tk) if transpose_rhs else (tk, wcols)
     if quantised or k % tk:
         scratch += [pltpu.VMEM(wshape, compute_dtype) for _ in range(n_rhs)]
+        if kt == 1:  # the group whose prepared block the copies hold
+            scratch += [pltpu.SMEM((1,), jnp.int32)]
     if prefetch_runs:  # two weight slots per ref, their DMA semaphores, the current slot
         scratch += [
             [pltpu.VMEM((2, *wshape), rhs.dtype) for _ in range(n_rhs)],

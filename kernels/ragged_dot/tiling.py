@@ -514,10 +514,26 @@ def _step_vregs(tm: int, tn: int, gate_layout: Optional[str]) -> int:
     return n_rhs * (-(-tm // 8)) * -(-cols // 128)
 
 
+def weight_preparations(nt: int, kt: int, computing_items: float, group_runs: float) -> float:
+    """How many times the gmm prepares its weight block(s) (kernel.py `_prepare`): on every
+    computing grid step, or with one K block once per N tile and run of one group's computing
+    items, the copy then holding that group's block for the run's other items (its rows are
+    contiguous, so a group's items are one run)."""
+    return nt * (group_runs if kt == 1 else kt * computing_items)
+
+
+def group_runs(wl, compute) -> int:
+    """Runs of one group's computing items in a gmm work list (`wl` its fields as arrays,
+    `compute` the items' COMPUTE flags): where the group changes from one computing item to the
+    next."""
+    groups = np.asarray(wl["GROUP"])[np.asarray(compute, bool)]
+    return int((groups[1:] != groups[:-1]).sum() + 1) if groups.size else 0
+
+
 def _prepared_vregs(k: int, tk: int, tn: int, gate_layout, lhs_dtype, quantised: bool) -> int:
-    """Vregs of the weight copy a computing grid step prepares in its own code (kernel.py
+    """Vregs of the weight copy the gmm prepares in a grid step's own code (kernel.py
     `_prepare`: int8 / e4m3 weights widened to the lhs dtype, or a K tail zeroed): every weight
-    block, whole, on every grid step that computes, 0 when the MXU reads the block itself. The
+    block, whole, `weight_preparations` times, 0 when the MXU reads the block itself. The
     charge per vreg is the grid steps' (`step_vreg_bundles`): v5e's LLO dump of int8 Mixtral-8x7B
     down at 128 / 14336 / 1024 spends 9,314 bundles of a step's own code on its 7,168 widened
     vregs (1.3 each; the shared 1.53). Without it the ranking took those 128-row whole-K tiles for
@@ -735,7 +751,8 @@ def gmm_candidate_cost(
             )
         ),
         step_vregs=nt * -(-m // tm) * _step_vregs(tm, tn, gate_layout)
-        + round(nt * kt * items) * _prepared_vregs(k, tk, tn, gate_layout, lhs_dtype, quantised),
+        + round(weight_preparations(nt, kt, items, min(num_groups, m)))
+        * _prepared_vregs(k, tk, tn, gate_layout, lhs_dtype, quantised),
         step_profile=gmm_step_profile(
             m,
             k,
@@ -1382,12 +1399,9 @@ def estimate_cost(
         # see _step_vregs)
         out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
         units["step_vregs"] = nt * out_tiles * _step_vregs(tm, tn, gate_layout)
-        units["step_vregs"] += (
-            nt
-            * kt
-            * int(compute.sum())
-            * _prepared_vregs(k, tk, tn, gate_layout, lhs_dtype, quantised)
-        )
+        units["step_vregs"] += round(
+            weight_preparations(nt, kt, int(compute.sum()), group_runs(wl, compute))
+        ) * _prepared_vregs(k, tk, tn, gate_layout, lhs_dtype, quantised)
         vmem = gmm_vmem_bytes(
             tm,
             tk,
