@@ -35,9 +35,8 @@ no MXU work and write zeros there. Items without MXU work (virtual rows, padding
 lhs/rhs index maps at the block the previous step left resident, so they issue no DMA. int8 / fp8
 weights are converted to the lhs dtype into a VMEM copy once per grid step, or with one K block
 once per run of a group's items (and a K tail, K % tk != 0, is zeroed there and in the lhs
-window: garbage beyond K never meets the MXU); the
-per-output-channel scale (and a bias) of the item's group is applied to its rows' sums as they
-go to the output block.
+window: garbage beyond K never meets the MXU); the per-output-channel scale (and a bias) of the
+item's group is applied to its rows' sums as they go to the output block.
 
 Gated gmm (`activation` given): the gate_up projection of a gated MLP. The output tile (tm, tn)
 of act(gate) * up needs gate and up columns: with the concatenated layout ([gate | up] along N)

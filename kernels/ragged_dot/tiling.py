@@ -536,9 +536,10 @@ def _prepared_vregs(k: int, tk: int, tn: int, gate_layout, lhs_dtype, quantised:
     block, whole, `weight_preparations` times, 0 when the MXU reads the block itself. The
     charge per vreg is the grid steps' (`step_vreg_bundles`): v5e's LLO dump of int8 Mixtral-8x7B
     down at 128 / 14336 / 1024 spends 9,314 bundles of a step's own code on its 7,168 widened
-    vregs (1.3 each; the shared 1.53). Without it the ranking took those 128-row whole-K tiles for
-    int8 weights at the wider VMEM budget, 9.5% slower by the compiled schedule than the
-    512 / 2048 / 4096 it had (6977 against 6373 us)."""
+    vregs (1.3 each; the shared 1.53). While every computing step widened its block, leaving the
+    charge out made the ranking take those 128-row whole-K tiles, 9.5% slower by the compiled
+    schedule than the tiles it had (6977 against 6373 us; 7471 against 6350 on a v5e chip).
+    Widened once per run they are the pick: 5479 us scheduled, 5964 on the chip."""
     if not (quantised or k % tk):
         return 0
     n_rhs, cols = _weight_blocks(tn, gate_layout)
