@@ -280,15 +280,10 @@ def gmm_trips(
         "hot_iterations": float(w["full"].sum() * chunks),
         "side_region_runs": float(w["tail"].sum() * chunks),
     }
-    if np.dtype(rhs_dtype or dtype).itemsize == 1 or k % t.tk:
+    if T._prepared_vregs(k, t.tk, t.tn, gate_layout, dtype, wsz == 1):
         # the weight block widened (or its K tail zeroed) into a VMEM copy: once per busy grid
         # step, or with one K block once per run of a group's items (kernel `_prepare`)
-        compute = (wl["FLAGS"] & T.F_COMPUTE) != 0
-        trips["prepare_runs"] = float(
-            T.weight_preparations(
-                -(-n // t.tn), -(-k // t.tk), int(compute.sum()), T.group_runs(wl, compute)
-            )
-        )
+        trips["prepare_runs"] = float(T.work_list_preparations(wl, -(-n // t.tn), -(-k // t.tk)))
     if per_step:
         trips["step_work"] = {
             "hot": w["full"] * chunks,

@@ -530,6 +530,12 @@ def group_runs(wl, compute) -> int:
     return int((groups[1:] != groups[:-1]).sum() + 1) if groups.size else 0
 
 
+def work_list_preparations(wl, nt: int, kt: int) -> int:
+    """`weight_preparations` of a gmm call from its work list (`wl` its fields as arrays)."""
+    compute = (wl["FLAGS"] & F_COMPUTE) != 0
+    return round(weight_preparations(nt, kt, int(compute.sum()), group_runs(wl, compute)))
+
+
 def _prepared_vregs(k: int, tk: int, tn: int, gate_layout, lhs_dtype, quantised: bool) -> int:
     """Vregs of the weight copy the gmm prepares in a grid step's own code (kernel.py
     `_prepare`: int8 / e4m3 weights widened to the lhs dtype, or a K tail zeroed): every weight
@@ -1400,9 +1406,9 @@ def estimate_cost(
         # see _step_vregs)
         out_tiles = int(((wl["FLAGS"] & F_FIRST) != 0).sum())
         units["step_vregs"] = nt * out_tiles * _step_vregs(tm, tn, gate_layout)
-        units["step_vregs"] += round(
-            weight_preparations(nt, kt, int(compute.sum()), group_runs(wl, compute))
-        ) * _prepared_vregs(k, tk, tn, gate_layout, lhs_dtype, quantised)
+        units["step_vregs"] += work_list_preparations(wl, nt, kt) * _prepared_vregs(
+            k, tk, tn, gate_layout, lhs_dtype, quantised
+        )
         vmem = gmm_vmem_bytes(
             tm,
             tk,
