@@ -456,6 +456,19 @@ def _source_hash(op) -> str:
     return schedule_rows._source_hash("ours", OPS[op]["family"])
 
 
+def prune_cache() -> tuple[int, int]:
+    """Drop the compiles an entry of the op's current sources at the same tiles, static
+    configuration and generation supersedes (`schedule_rows.prune_cache`; `Schedules.model` reads
+    older sources only where the current ones have none). Returns (entries before, after)."""
+    import schedule_rows
+
+    def source_of(prefix):  # "op|tiles|static|generation"
+        op = prefix.split("|", 1)[0]
+        return _source_hash(op) if op in OPS else None
+
+    return schedule_rows.prune_cache(CACHE, source_of)
+
+
 def _load_cache() -> dict:
     import schedule_rows
 
@@ -1156,6 +1169,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     budget = 0 if args.cache_only else args.max_compiles
     result = measure(args.generation, budget, fill_only=args.fill_cache)
+    before, after = prune_cache()
+    print(f"bucket schedule cache: {before} -> {after} entries", file=sys.stderr)
     if result is None:
         return
     # The result joins results.json (the one source the report is written from) and its section

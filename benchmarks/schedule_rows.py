@@ -248,29 +248,36 @@ def _save_cache(cache: dict, path: Path = CACHE, *, merge=lambda old, new: {**ol
         os.replace(tmp, path)
 
 
-def _current_entries(cache: dict) -> dict:
-    """The entries a lookup can still want: per row (kind, impl, shape, generation), the entry
-    under the row's current source key when the cache has one (older sources' entries of that
-    row were reused through it or are stale), else every entry of the row (their program
-    fingerprints may still match a lowering)."""
+def _row_source(row: str) -> str:
+    """The current source hash of a row key (kind, impl, shape, generation)."""
+    kind, impl = row.split("|")[:2]
+    return _source_hash(impl, kind)
+
+
+def _current_entries(cache: dict, source_of=_row_source) -> dict:
+    """The entries a lookup can still want: per row (a key without its source hash: kind, impl,
+    shape, generation here), the entry under the row's current source key (`source_of(row)`)
+    when the cache has one (older sources' entries of that row were reused through it or are
+    stale), else every entry of the row (their program fingerprints may still match a
+    lowering)."""
     rows: dict[str, list[str]] = {}
     for key in cache:
         rows.setdefault(key.rsplit("|", 1)[0], []).append(key)
-    source = functools.cache(_source_hash)
+    source = functools.cache(source_of)
     kept = {}
     for row, keys in rows.items():
-        kind, impl = row.split("|")[:2]
-        current = f"{row}|{source(impl, kind)}"
+        current = f"{row}|{source(row)}"
         kept.update((k, cache[k]) for k in ([current] if current in cache else keys))
     return kept
 
 
-def prune_cache(path: Path = CACHE) -> tuple[int, int]:
-    """Drop the entries a current-source entry of the same row supersedes (`_current_entries`):
+def prune_cache(path: Path = CACHE, source_of=_row_source) -> tuple[int, int]:
+    """Drop the entries a current-source entry of the same row supersedes (`_current_entries`;
+    `source_of` for a cache whose keys name rows otherwise, benchmarks/bucket_padding.py's):
     every edit of a kernel's sources adds a key per row, so the file otherwise grows by a copy of
     each row per edit. Returns (entries before, after)."""
     before = len(_load_cache(path))
-    _save_cache({}, path, merge=lambda old, _new: _current_entries(old))
+    _save_cache({}, path, merge=lambda old, _new: _current_entries(old, source_of))
     return before, len(_load_cache(path))
 
 

@@ -842,6 +842,30 @@ def test_schedule_cache_prune_keeps_current_and_unmatched_rows(tmp_path):
     }
 
 
+def test_bucket_cache_prune_keeps_each_compiles_current_sources(tmp_path, monkeypatch):
+    """bucket_padding.prune_cache: per (op, tiles, static configuration, generation), the
+    compile of the op's current sources supersedes older ones; a configuration with none keeps
+    all of its entries, and so does an op no longer listed."""
+    import bucket_padding
+
+    op = next(iter(bucket_padding.OPS))
+    prefix = bucket_padding._prefix(op, (128, 128), "v6e")
+    other = bucket_padding._prefix(op, (256, 128), "v6e")
+    gone = "no_such_op|128|{}|v6e|"
+    cache = {
+        prefix + bucket_padding._source_hash(op): {"bundles": 1},
+        prefix + "0000000000000000": {"bundles": 2},
+        other + "0000000000000000": {"bundles": 3},
+        other + "1111111111111111": {"bundles": 4},
+        gone + "2222222222222222": {"bundles": 5},
+    }
+    path = tmp_path / "bucket_cache.json"
+    path.write_text(json.dumps(cache))
+    monkeypatch.setattr(bucket_padding, "CACHE", path)
+    assert bucket_padding.prune_cache() == (5, 4)
+    assert set(json.loads(path.read_text())) == set(cache) - {prefix + "0000000000000000"}
+
+
 def test_flash_dump_points_selects_the_points_loop():
     """flash_dump_points.select_loop takes, among the innermost loops holding whole tiles, the
     masked (vsel) or mask-free one the point names (and for the forward, on the path it names),
