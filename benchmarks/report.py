@@ -347,6 +347,14 @@ TRAINING_FILES = (
     # ours' tgmm of DeepSeek-V3-like down 4096 at that budget's tiles (512 / 1024 / 7168; the
     # previous 1024 / 2048 / 1024 in v5e_train_tgmm_step_profile.json)
     "v5e_train_tgmm_budget.json",
+    # flash forward + backward once v5e's backward took 512-key compute tiles where one head's
+    # 512 query rows make the tile (Flux-dev, Wan-like), beside splash (one session; the
+    # previous 256-key tiles re-timed, outputs compared: v5e_train_flash_check_512_keys.json)
+    "v5e_train_flash_bwd_512_keys.json",
+    # ours' forward + backward once v5e's backward took its widest compute tiles (512 x 512) at
+    # Llama-3-8B causal, its batch of 32, d=256 b2 and Gemma, beside the previous 256 x 256
+    # (ours@...: outputs compared), one session
+    "v5e_train_flash_widest_bwd_tiles.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -482,6 +490,15 @@ TILE_SWEEPS = (
     # group's items: the new picks beside the tiles they replace, all on the new kernel (the
     # previous kernel's times, same session: v5e_int8_tile_sweep_before_prepare_once.json)
     "v5e_int8_tile_sweep_prepare_once.json",
+    # the flash backward alone (--pass bwd) at 512-key compute tiles against the 256 v5e's
+    # backward then took, every named shape; then 512-row compute tiles at d=256 (b2 causal,
+    # Gemma) and the 512 x 512 tiles at Llama-3-8B causal, Gemma and the batch of 32
+    "v5e_flash_bwd_tile_sweep.json",
+    "v5e_flash_bwd_tile_sweep_d256.json",
+    "v5e_flash_bwd_tile_sweep_gemma.json",
+    "v5e_flash_bwd_tile_sweep_widest_llama.json",
+    "v5e_flash_bwd_tile_sweep_widest_gemma.json",
+    "v5e_flash_bwd_tile_sweep_widest_b32.json",
 )
 
 
@@ -513,14 +530,19 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
         "(tm) than their own, the flash forward at "
         "Flux-dev's 4608 tokens (no power-of-two block divides them; the named row's op, its "
         "XLA pads included) and with kv blocks past 2048 keys (explicit tiles get the budget "
-        "model's VMEM limit). Tiles: (tm, tk, tn) for the gmm, (block_q, block_q_compute, "
-        'block_kv, block_kv_compute) for flash. "The kernel\'s choice" is the tiling it picked '
+        "model's VMEM limit), and the flash backward alone (`--pass bwd`). Tiles: (tm, tk, tn) "
+        "for the gmm, (block_q, block_q_compute, block_kv, block_kv_compute) for flash, and "
+        "fused (0 / 1) after them for its backward. "
+        '"The kernel\'s choice" is the tiling it picked '
         "when the sweep ran: the gmm sweeps `v5e_gmm_tile_sweep.json` and "
         "`v5e_gmm_tile_sweep2.json` predate the ranking's per-step DMA overlap "
         "(`tpu_generations.overlapped_step_seconds`), which now picks 512-row tiles at "
         "Qwen3-30B-A3B's 16384 tokens and 256 at Mixtral-8x7B's gate_up and gate, and the "
         "Wan-like sweeps predate 4096-key forward blocks for full attention (2048, 512, 4096, "
-        "256 now; the named rows time the current choice). VMEM errors are tilings that do "
+        "256 now; the named rows time the current choice), and the flash backward sweeps "
+        "predate v5e's widest backward tiles (512 x 512 since, except window 1024 and packed "
+        "documents, which keep 256 x 256). "
+        "VMEM errors are tilings that do "
         "not compile. "
         "Files: " + ", ".join(f"`{n}`" for n in files) + ".",
         "",

@@ -15,7 +15,10 @@ PYTHONPATH (as for device_timing.py):
 
 Tiles: tm,tk,tn for the gmm and the tgmm (`--pass tgmm`: x [M, K], dy [M, N] -> [G, K, N], as
 training_timing.py times it); block_q,block_q_compute,block_kv,block_kv_compute for the flash
-forward (the named row's op, its XLA pads around the kernel included). `--scheduled GEN` reads
+forward (the named row's op, its XLA pads around the kernel included), and with a fifth field,
+fused (0 / 1), for the flash backward alone (`--kernel flash_attention --pass bwd`:
+`flash_attention_bwd` on the forward's o and lse, made once at the kernel's own tiles; di and
+the pads around the kernels included, as a training step runs them). `--scheduled GEN` reads
 the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the
 tgmm's through benchmarks/tgmm_schedule.py's rows), and those of the gmm's dlhs, int8-weight and
 fused-gate calls at the row's shape (`--pass dlhs|int8|gated`; `--pass int8` is timed on a chip
@@ -34,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 import shapes as shapes_mod
 import tgmm_schedule
 from device_timing import _device_info, case_record, timed
@@ -44,11 +49,22 @@ SMALL = {
 }
 
 
-# The fields of a tiling on the command line, in order.
+# The fields of a tiling on the command line, in order (the flash backward's: FLASH_BWD_FIELDS).
 FIELDS = {
     "ragged_dot": ("tm", "tk", "tn"),
     "flash_attention": ("block_q", "block_q_compute", "block_kv", "block_kv_compute"),
 }
+FLASH_BWD_FIELDS = (
+    "block_q_bwd",
+    "block_q_compute_bwd",
+    "block_kv_bwd",
+    "block_kv_compute_bwd",
+    "fused_bwd",
+)
+
+
+def _field_names(kind, pass_name):
+    return FLASH_BWD_FIELDS if pass_name == "bwd" else FIELDS[kind]
 
 
 def _tiles(adapter, kind, values, pass_name="gmm"):
@@ -56,13 +72,24 @@ def _tiles(adapter, kind, values, pass_name="gmm"):
     tiling = adapter.mod.tiling
     if kind == "ragged_dot":
         return (tiling.TgmmTiling if pass_name == "tgmm" else tiling.GmmTiling)(*values)
+    if pass_name == "bwd":
+        bq, bqc, bk, bkc, fused = values
+        return tiling.backward_tiles(bq, bqc, bk, bkc, bool(fused))  # (forward fields unused)
     bq, bqc, bk, bkc = values
     return tiling.backward_tiles(bq, bqc, bk, bkc, False)  # forward only: its fields
 
 
-def _fields(kind, tiles):
+def _fields(kind, tiles, pass_name="gmm"):
     if kind == "ragged_dot":
         return [tiles.tm, tiles.tk, tiles.tn]
+    if pass_name == "bwd":
+        return [
+            tiles.block_q_bwd,
+            tiles.q_compute_bwd,
+            tiles.block_kv_bwd,
+            tiles.kv_compute_bwd,
+            int(tiles.fused_bwd),
+        ]
     return [tiles.block_q, tiles.q_compute, tiles.block_kv, tiles.block_kv_compute]
 
 
@@ -95,12 +122,13 @@ def _sweep(adapter, args, shape, gen):
     else:
         own = (adapter.tiles if args.kernel == "ragged_dot" else adapter._tiles)(shape, gen)
     tilings = [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]
-    tilings += _variants(_fields(args.kernel, own), FIELDS[args.kernel], args.vary)
+    names = _field_names(args.kernel, args.pass_name)
+    tilings += _variants(_fields(args.kernel, own, args.pass_name), names, args.vary)
     for t in tilings:
         tiles = own if t is None else _tiles(adapter, args.kernel, t, args.pass_name)
         rec = {
             "shape": shape.name,
-            "tiles": _fields(args.kernel, tiles),
+            "tiles": _fields(args.kernel, tiles, args.pass_name),
             "kernel_choice": t is None,
         }
         yield tiles, rec
@@ -137,6 +165,37 @@ def _int8_call(adapter, shape, gen, tiles):
         return gmm(lhs, rhs, gs, scales, out_dtype=dt, tiling=tiles, generation=gen)
 
     return fn, (lhs, rhs, gs, scales)
+
+
+def _flash_bwd_call(adapter, shape, gen, tiles):
+    """(fn, args) of our flash backward alone at `shape` and backward `tiles`: the residuals
+    (o, lse) come from one forward at the kernel's own tiles, made here, outside the timing."""
+    import jax
+
+    kernel = adapter.mod.kernel
+    ids = shape.segment_ids()
+    rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
+    kw = dict(
+        causal=shape.causal,
+        window_size=(-1, -1) if shape.window is None else (shape.window - 1, 0),
+        softcap=shape.softcap or 0.0,
+        q_segment_ids=rows,
+        kv_segment_ids=rows,
+        generation=gen,
+    )
+    qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
+    kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
+    key = jax.random.key(9)  # training_timing.flash_cases' inputs
+    q, k, v, do = (
+        jax.random.normal(jax.random.fold_in(key, i), s).astype(shape.dtype)
+        for i, s in enumerate((qs, kvs, kvs, qs))
+    )
+    o, lse = jax.jit(lambda q, k, v: kernel.flash_attention_fwd(q, k, v, **kw))(q, k, v)
+
+    def fn(q, k, v, o, lse, do):
+        return kernel.flash_attention_bwd(q, k, v, o, lse, do, tiles=tiles, **kw)[:3]
+
+    return fn, (q, k, v, o, lse, do)
 
 
 # The deviceless compile of each kernel's forward at explicit tiles (schedule_targets).
@@ -218,10 +277,11 @@ def main(argv=None):
         "--pass",
         dest="pass_name",
         default="gmm",
-        choices=("gmm", "tgmm", *GMM_VARIANT_PASSES),
+        choices=("gmm", "tgmm", "bwd", *GMM_VARIANT_PASSES),
         help="ragged_dot: the forward gmm (default) or the weight gradient tgmm, whose own "
         "tiling is the one benchmarks/tgmm_schedule.py rows; with --scheduled also the gmm's "
-        "dlhs, int8-weight and fused-gate calls (benchmarks/ours.py GMM_VARIANTS)",
+        "dlhs, int8-weight and fused-gate calls (benchmarks/ours.py GMM_VARIANTS); "
+        "flash_attention: the forward (default) or, on a chip, the backward alone (bwd)",
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--interpret", action="store_true", help="small shape, TPU interpret mode")
@@ -233,7 +293,12 @@ def main(argv=None):
         "the tgmm)",
     )
     args = p.parse_args(argv)
-    if args.pass_name != "gmm" and args.kernel != "ragged_dot":
+    if args.pass_name == "bwd":
+        if args.kernel != "flash_attention":
+            p.error("--pass bwd: the flash_attention kernel only")
+        if args.scheduled:
+            p.error("--pass bwd: on a chip only (flash_dump_points.py reads its schedule)")
+    elif args.pass_name != "gmm" and args.kernel != "ragged_dot":
         p.error(f"--pass {args.pass_name}: the ragged_dot kernel only")
     if args.pass_name in ("dlhs", "gated") and not args.scheduled:
         p.error(f"--pass {args.pass_name}: with --scheduled only (training_timing.py times it)")
@@ -269,6 +334,8 @@ def main(argv=None):
                         fn, fargs = _tgmm_call(adapter, shape, gen, tiles)
                     elif args.pass_name == "int8":
                         fn, fargs = _int8_call(adapter, shape, gen, tiles)
+                    elif args.pass_name == "bwd":
+                        fn, fargs = _flash_bwd_call(adapter, shape, gen, tiles)
                     else:
                         fn, fargs = adapter.call(shape, gen, tiles=tiles)
                     rec.update(timed(fn, fargs, target_s=0.0 if args.interpret else 0.2))

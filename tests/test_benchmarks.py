@@ -1202,3 +1202,22 @@ def test_tile_sweep_varies_one_field_of_the_kernels_own_tiling():
     assert got == [(512, 768, 2048), (2048, 768, 2048), (1024, 768, 1024)]
     with pytest.raises(SystemExit, match="block_kv"):
         tile_sweep._variants([1024, 768, 2048], names, ["block_kv=4096"])
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tile_sweep_times_the_flash_backward_alone(tmp_path):
+    """`tile_sweep.py --kernel flash_attention --pass bwd` (torch unimportable, TPU interpret
+    mode): the backward at the kernel's own backward tiles and with `--vary`'s fields changed
+    (the two-pass form and a 128-key compute tile), its five fields recorded."""
+    out = tmp_path / "sweep.json"
+    args = ["--kernel", "flash_attention", "--pass", "bwd", "--shape", "flux_dev_joint4608"]
+    args += ["--interpret", "--vary", "fused_bwd=0", "--vary", "block_kv_compute_bwd=128"]
+    _main_on_a_jax_only_machine("tile_sweep", args + ["--out", str(out)])
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["pass"] == "bwd" and [r["kernel_choice"] for r in rows] == [True, False, False]
+    own = rows[0]["tiles"]
+    assert len(own) == 5 and own[4] == 1, own  # the small shape's own backward is fused
+    assert rows[1]["tiles"] == own[:4] + [0] and rows[2]["tiles"] == own[:3] + [128, 1], rows
+    assert all(r["measured_us"] > 0 for r in rows), rows

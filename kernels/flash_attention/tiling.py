@@ -451,17 +451,63 @@ def fitted_blocks(length: int, tile: int, largest: int = POW2_BLOCKS[0]) -> list
     return sorted(out, reverse=True)
 
 
-def _candidates(q_len, kv_len, groups, gen, total_q=None, total_kv=None, long_kv=False):
-    """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward: power-of-two
-    blocks, then the blocks fitted to the padded totals (`total_q` / `total_kv`, the arrays the
-    kernel pads; default the lengths), then, with `long_kv` (a band that covers every key),
-    LONG_KV_BLOCK kv blocks under at most MAX_ROWS stacked query rows."""
+def kv_compute_tiles(gen, backward: bool) -> tuple[int, ...]:
+    """The kv compute tiles (keys per score tile) a pass tries: two MXU widths where the MXU is
+    256 wide; 256 keys on a 128-wide MXU (v5e), whose backward also tries 512. A backward score
+    tile chains five matmuls through the exp and dS (S -> P -> dS -> dK, dQ), and on v5e one
+    head's tile (G = 1) does not hide that chain under its MXU work until it is wide: the fused
+    loop at d=128 runs 478 bundles at 128 x 256 against an MXU floor of 342, 926 at 256 x 256
+    (669), 1419 at 512 x 256 (1322) and 2355 at 512 x 512 (2627: MXU-bound; `llo_schedule.py
+    schedule_targets:compile_flash_bwd_tiles --generation v5e` at Flux-dev, the last two in the
+    calibration file's "bwd_points"). On a TPU v5e chip the backward alone ran 16-17%
+    faster at 512 keys where one head's 512 query rows make the tile (Flux-dev 4608: 4627 ->
+    3872 us, Wan-like 32768: 111572 -> 92730) and 4% at d=256 (d256 causal b2 8192), tied where
+    four stacked heads make the tile MXU-bound (Llama-3-8B causal 8192, -0.8%), and lost where a
+    window or documents mask more of the wider tiles (window 1024 +13%, packed documents +10%;
+    benchmarks/results/device/v5e_flash_bwd_tile_sweep.json). The ranking charges both widths
+    their MXU floor (no floor or per-score term fits those dumps: BWD_CHAIN_FLOOR_VALU), and
+    takes the widest tile among those it cannot tell apart (WIDEST_BWD_TILE_GENERATIONS). The
+    forward keeps 256 keys on v5e: Flux-dev's forward ran 1633 us at 512 against 1605."""
+    if gen.mxu_size >= 256:
+        return (2 * gen.mxu_size,)
+    return (256, 512) if backward else (256,)
+
+
+# Generations whose backward ranking takes, among the candidates it cannot tell apart, the
+# widest compute tile (the most scores a tile) before the model's own order. v5e's fused
+# backward packs a wider tile's MXU pushes tighter (its dumps: 4.0-4.4 bundles a push at 256 x
+# 256 and 512 x 256, 3.4-3.7 at 512 x 512 and 1024 x 256-512), which the model's MXU floor (4.08
+# a push whatever the tile) does not see; on the chip the 512 x 512 tiles (G x 512 stacked
+# rows) ran the backward alone 7.1% faster at d=256 b2 8192 causal, 2.6% at Llama-3-8B causal
+# 8192, 17% at Flux-dev / Wan-like, a tie at Gemma's window 4096 (-0.5%) and Llama-3-8B 32 x
+# 4096 (-0.1%); where a band masks much of the wider tile (window 1024, packed documents: 13% /
+# 10% slower at 256 x 512 on the chip) the model puts the window's outside the tolerance
+# (+19.5%), and packed documents (segment ids) keep the model's order.
+# benchmarks/results/device/v5e_flash_bwd_tile_sweep*.json.
+WIDEST_BWD_TILE_GENERATIONS = ("v5e",)
+
+
+def _candidates(
+    q_len, kv_len, groups, gen, total_q=None, total_kv=None, long_kv=False, backward=False
+):
+    """(block_q, block_q_compute, block_kv, block_kv_compute) for the forward (or, `backward`,
+    the backward: its kv compute tiles, `kv_compute_tiles`): power-of-two blocks, then the
+    blocks fitted to the padded totals (`total_q` / `total_kv`, the arrays the kernel pads;
+    default the lengths), then, with `long_kv` (a band that covers every key), LONG_KV_BLOCK kv
+    blocks under at most MAX_ROWS stacked query rows."""
+    for compute_kv in kv_compute_tiles(gen, backward):
+        yield from _candidates_at(
+            q_len, kv_len, groups, gen, compute_kv, total_q, total_kv, long_kv
+        )
+
+
+def _candidates_at(q_len, kv_len, groups, gen, compute_kv, total_q, total_kv, long_kv):
+    """`_candidates` at one kv compute tile."""
     # Blocks up to the next power of two of each length: a block larger than the sequence only
     # pads it, and a longer sequence must never see candidates a shorter one was refused (the
     # choice would not be monotone in length).
     cap_q = _next_pow2(max(128, q_len))
     cap_k = _next_pow2(max(128, kv_len))
-    compute_kv = 2 * gen.mxu_size if gen.mxu_size >= 256 else 256
     q_computes = [c for c in (512, 256, 128) if groups * c <= MAX_ROWS or c == 128]
     for bq in POW2_BLOCKS:
         if bq > cap_q and bq > 128:
@@ -550,7 +596,7 @@ def choose_tiles(
     )
 
     total_q, total_kv = total_q or q_len, total_kv or kv_len
-    candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv))
+    candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv, backward=True))
     full_band = not causal and tuple(window_size) == (-1, -1)
     fwd_candidates = list(_candidates(q_len, kv_len, groups, gen, total_q, total_kv, full_band))
 
@@ -564,10 +610,18 @@ def choose_tiles(
             c = estimate_cost(tiles=t, pass_="fwd", generation=gen, segments=segments, **cost_kw)
             yield (bq, bqc, bk, bkc, nf), c
 
-    def backward(fwd_q):
+    def backward(fwd_q, fwd_k):
         # the same candidates as (block_q_bwd, its compute tile, block_kv_bwd, ...), as two
-        # passes or fused (dq resident in VMEM: the padded sequence must fit)
+        # passes or fused (dq resident in VMEM: the padded sequence must fit). Not blocks that
+        # pad a sequence past the forward's blocks: both passes run the sequence padded to every
+        # pass's block (Tiles.q_multiple / kv_multiple), and this ranking charges neither the
+        # forward's longer run nor that pad (at 896 tokens a 512-row backward block padded both
+        # passes to 3584 rows, the forward's ranked time 82 -> 108 us).
         for bq, bqc, bk, bkc in candidates:
+            if _r(total_q, math.lcm(bq, fwd_q)) > _r(total_q, fwd_q) or _r(
+                total_kv, math.lcm(bk, fwd_k)
+            ) > _r(total_kv, fwd_k):
+                continue
             for fused in (False, True):
                 seq_q = _r(total_q, math.lcm(bq, fwd_q)) if fused else None
                 nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
@@ -589,8 +643,9 @@ def choose_tiles(
     # Times the model cannot tell apart (within its stated error on each pass's dumps): the
     # fewest rows copied by XLA pads (the forward pads q and k/v and slices the output; the
     # backward pads q, o, do and k/v and slices dq, dk, dv, to blocks that divide both passes'),
-    # then the larger DMA blocks, then the faster by the model, then the earlier candidate (larger
-    # compute tile first; two passes before fused), so the choice is deterministic.
+    # then the larger DMA blocks, then (the backward on WIDEST_BWD_TILE_GENERATIONS) the widest
+    # compute tile, then the faster by the model, then the earlier candidate (larger compute
+    # tile first; two passes before fused), so the choice is deterministic.
     best_f = best_tiles(
         forward(),
         gen,
@@ -598,14 +653,18 @@ def choose_tiles(
         within=RANKING_TOLERANCE,
     )
     best_b = None
+    # (not with segment ids: this ranking does not see the documents, which mask more of a
+    # wider tile; 8 packed documents ran 10% slower at 256 x 512 on the chip)
+    widest_bwd_first = gen.name in WIDEST_BWD_TILE_GENERATIONS and not segments
     if best_f is not None:
         fq, fk = best_f[0][0], best_f[0][2]
         best_b = best_tiles(
-            backward(fq),
+            backward(fq, fk),
             gen,
             tie_break=lambda k: (
                 padding(math.lcm(k[0], fq), math.lcm(k[2], fk), 4, 4),
                 -k[0] * k[2],
+                -k[1] * k[3] if widest_bwd_first else 0,
             ),
             within=BWD_RANKING_TOLERANCE,
         )
@@ -751,10 +810,12 @@ def fwd_tile_bundles(
 # TPU7x: masks now cost 1-6 ops a score vreg; TPU7x dk/dv took, among the fits within the
 # tolerance, the one with the least spread of error over its Llama points, which keeps the
 # named cells' tiles (another fit moved TPU7x window 1024 to 512-row tiles, whose dk/dv tiles
-# the dumps put at 11-18% more bundles per score than the 1024-row ones).
+# the dumps put at 11-18% more bundles per score than the 1024-row ones). v5e's fused mask
+# figure went 18.1 -> 17.5 with the 512-key dumps: four stacked heads' masked 1024 x 512 tile
+# is MXU-bound in its dump (4739 bundles), and 18.1 made the model's VALU term bind above it.
 BWD_PASSES = ("dkv", "dq", "fused")
 BWD_VALU_PER_SCORE_VREG = {
-    "v5e": {"dkv": (10.0, 13.0), "dq": (17.5, 0.3), "fused": (11.0, 18.1)},
+    "v5e": {"dkv": (10.0, 13.0), "dq": (17.5, 0.3), "fused": (11.0, 17.5)},
     "v6e": {"dkv": (9.0, 4.3), "dq": (9.4, 1.0), "fused": (11.0, 5.4)},
     "tpu7x": {"dkv": (7.0, 6.0), "dq": (6.7, 2.0), "fused": (11.0, 5.0)},
 }
@@ -764,8 +825,11 @@ _BWD_VALU_V6E = BWD_VALU_PER_SCORE_VREG["v6e"]  # generations without a fit of t
 # shrink with the tile: below it a small tile costs the same bundles whatever its size (TPU7x,
 # d=256, a 256 x 512 tile: the dk/dv loop runs 1088 bundles per tile at MXU 0.42 occupancy, a
 # 512 x 512 one at d=128 1190). Charged as a floor on the tile's effective VALU ops,
-# (unmasked, masked) per pass, fitted with the figures above; 0: no dump has shown one (v5e's
-# tiles are MXU-bound).
+# (unmasked, masked) per pass, fitted with the figures above; 0: no dump has shown one that a
+# floor fits. v5e's fused tiles of one head (G = 1, d=128) run above their MXU floor by an
+# amount no floor or per-score term fits (the dumps: +40% at 128 x 256, +38% at 256 x 256,
+# +10% at 128 x 512, +7% at 512 x 256, -10% at 512 x 512; kv_compute_tiles): their ranking
+# rests on the MXU floor, whose per-tile fixed bundles tip equal work to the wider tile.
 _NO_FLOOR = {"dkv": (0, 0), "dq": (0, 0), "fused": (0, 0)}
 BWD_CHAIN_FLOOR_VALU = {
     "v5e": _NO_FLOOR,
@@ -784,7 +848,10 @@ BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 0.0
 # to this); the backward ranks with it as best_tiles' `within`. 0.11, not 0.1: v5e's unmasked
 # fused Llama-3-8B tile runs at MXU occupancy 0.93, below the shared MXU floor of tile_bundles
 # (4.08 bundles per push on v5e), and the model is 10.9% above it there (MXU-bound, so no VALU
-# figure can move it).
+# figure can move it). Its 512-key fused tiles go further below that floor (3.6-3.7 bundles a
+# push, 11.6-13.9% under the model: role "mxu-floor" in the calibration file); the chip follows
+# the floor there (Flux-dev's backward at 512 keys: 3872 us measured against 3.3 ms of pushes
+# at 4 cycles each, 3.05 ms of dumped bundles).
 BWD_RANKING_TOLERANCE = 0.11
 
 
