@@ -1222,9 +1222,9 @@ def test_backward_tile_model_matches_the_dumps():
     for p in points:
         u, model = _bwd_model_bundles(p)
         if p["role"] == "mxu-floor":
-            # v5e's large fused tiles pack their pushes tighter than the MXU takes them (3.6-3.7
-            # bundles a push; the forward's run 4.1-4.2): the model charges the MXU floor, which
-            # the chip follows (tiling.BWD_RANKING_TOLERANCE), above the dump by at most 14%
+            # v5e's large fused tiles pack their pushes tighter than the model's MXU floor (3.6-3.7
+            # bundles a push; the forward's run 4.1-4.2): the model sits at that floor, above the
+            # dump by at most 14% (tiling.BWD_RANKING_TOLERANCE says how the ranking copes)
             g = T.GENERATIONS[p["generation"]]
             floor = T._generations.tile_bundles(g, mxu_pushes=u["mxu_pushes"])
             assert p["generation"] == "v5e" and model == pytest.approx(floor), p

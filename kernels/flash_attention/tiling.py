@@ -828,8 +828,9 @@ _BWD_VALU_V6E = BWD_VALU_PER_SCORE_VREG["v6e"]  # generations without a fit of t
 # (unmasked, masked) per pass, fitted with the figures above; 0: no dump has shown one that a
 # floor fits. v5e's fused tiles of one head (G = 1, d=128) run above their MXU floor by an
 # amount no floor or per-score term fits (the dumps: +40% at 128 x 256, +38% at 256 x 256,
-# +10% at 128 x 512, +7% at 512 x 256, -10% at 512 x 512; kv_compute_tiles): their ranking
-# rests on the MXU floor, whose per-tile fixed bundles tip equal work to the wider tile.
+# +10% at 128 x 512, +7% at 512 x 256, -10% at 512 x 512; kv_compute_tiles): the ranking
+# charges them their MXU floor and takes the widest among those it cannot tell apart
+# (WIDEST_BWD_TILE_GENERATIONS).
 _NO_FLOOR = {"dkv": (0, 0), "dq": (0, 0), "fused": (0, 0)}
 BWD_CHAIN_FLOOR_VALU = {
     "v5e": _NO_FLOOR,
@@ -849,9 +850,10 @@ BWD_VALU_SECOND_EDGE_PER_SCORE_VREG = 0.0
 # fused Llama-3-8B tile runs at MXU occupancy 0.93, below the shared MXU floor of tile_bundles
 # (4.08 bundles per push on v5e), and the model is 10.9% above it there (MXU-bound, so no VALU
 # figure can move it). Its 512-key fused tiles go further below that floor (3.6-3.7 bundles a
-# push, 11.6-13.9% under the model: role "mxu-floor" in the calibration file); the chip follows
-# the floor there (Flux-dev's backward at 512 keys: 3872 us measured against 3.3 ms of pushes
-# at 4 cycles each, 3.05 ms of dumped bundles).
+# push, the model 11.6-13.9% above them: role "mxu-floor" in the calibration file). The chip
+# follows the dumps, not the floor, there: Flux-dev's backward alone ran 4627 and 3872 us at
+# 512 x 256 and 512 x 512 tiles, 1.26x and 1.27x their dumped bundles (3.68 and 3.05 ms),
+# where the floor gives both 3.4 ms (WIDEST_BWD_TILE_GENERATIONS takes the wider).
 BWD_RANKING_TOLERANCE = 0.11
 
 
