@@ -37,8 +37,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import shapes as shapes_mod
 import tgmm_schedule
 from device_timing import _device_info, case_record, timed
@@ -168,32 +166,19 @@ def _int8_call(adapter, shape, gen, tiles):
 
 
 def _flash_bwd_call(adapter, shape, gen, tiles):
-    """(fn, args) of our flash backward alone at `shape` and backward `tiles`: the residuals
-    (o, lse) come from one forward at the kernel's own tiles, made here, outside the timing."""
+    """(fn, args) of our flash backward alone at `shape` and backward `tiles`, on
+    training_timing.py's inputs: the residuals (o, lse) come from one forward at the kernel's
+    own tiles, made here, outside the timing."""
     import jax
 
+    import training_timing
+
     kernel = adapter.mod.kernel
-    ids = shape.segment_ids()
-    rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
-    kw = dict(
-        causal=shape.causal,
-        window_size=(-1, -1) if shape.window is None else (shape.window - 1, 0),
-        softcap=shape.softcap or 0.0,
-        q_segment_ids=rows,
-        kv_segment_ids=rows,
-        generation=gen,
-    )
-    qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
-    kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
-    key = jax.random.key(9)  # training_timing.flash_cases' inputs
-    q, k, v, do = (
-        jax.random.normal(jax.random.fold_in(key, i), s).astype(shape.dtype)
-        for i, s in enumerate((qs, kvs, kvs, qs))
-    )
-    o, lse = jax.jit(lambda q, k, v: kernel.flash_attention_fwd(q, k, v, **kw))(q, k, v)
+    options, (q, k, v, do) = training_timing.flash_inputs(shape, gen)
+    o, lse = jax.jit(lambda q, k, v: kernel.flash_attention_fwd(q, k, v, **options))(q, k, v)
 
     def fn(q, k, v, o, lse, do):
-        return kernel.flash_attention_bwd(q, k, v, o, lse, do, tiles=tiles, **kw)[:3]
+        return kernel.flash_attention_bwd(q, k, v, o, lse, do, tiles=tiles, **options)[:3]
 
     return fn, (q, k, v, o, lse, do)
 

@@ -184,21 +184,25 @@ def gmm_cases(shape, generation, small=False):
         )
 
 
-def flash_cases(shape, generation, small=False, tilings=()):
-    """(impl, pass, fn, args, tiling) of attention's forward + backward at `shape`: ours at its
-    own tiles, ours at each of `tilings` ((block_q, block_q_compute, block_kv, block_kv_compute,
-    fused) for both passes, impl "ours@..."), splash."""
+def flash_inputs(shape, generation):
+    """(options, (q, k, v, do)) of our flash attention at `shape`: the keyword arguments of its
+    mask (causal, window, soft cap, packed documents' segment ids) and generation, and the
+    seeded inputs and output cotangent every timed training pass takes."""
     import jax
     import numpy as np
 
-    import anchors
     import ours
 
-    package = ours.load("flash_attention")
-    kernel = package.kernel
     ids = shape.segment_ids()
     rows = None if ids is None else np.broadcast_to(ids, (shape.batch, shape.seq))
-    window = (-1, -1) if shape.window is None else (shape.window - 1, 0)
+    options = dict(
+        causal=shape.causal,
+        window_size=ours._window_size(shape),
+        softcap=shape.softcap or 0.0,
+        q_segment_ids=rows,
+        kv_segment_ids=rows,
+        generation=generation,
+    )
     qs = (shape.batch, shape.q_heads, shape.seq, shape.head_dim)
     kvs = (shape.batch, shape.kv_heads, shape.seq, shape.head_dim)
     key = jax.random.key(9)
@@ -206,6 +210,21 @@ def flash_cases(shape, generation, small=False, tilings=()):
         jax.random.normal(jax.random.fold_in(key, i), s).astype(shape.dtype)
         for i, s in enumerate((qs, kvs, kvs, qs))
     )
+    return options, (q, k, v, do)
+
+
+def flash_cases(shape, generation, small=False, tilings=()):
+    """(impl, pass, fn, args, tiling) of attention's forward + backward at `shape`: ours at its
+    own tiles, ours at each of `tilings` ((block_q, block_q_compute, block_kv, block_kv_compute,
+    fused) for both passes, impl "ours@..."), splash."""
+    import jax
+
+    import anchors
+    import ours
+
+    package = ours.load("flash_attention")
+    kernel = package.kernel
+    options, (q, k, v, do) = flash_inputs(shape, generation)
 
     def train(attention):
         def fn(q, k, v, do):
@@ -216,18 +235,7 @@ def flash_cases(shape, generation, small=False, tilings=()):
 
     def ours_attention(tiles=None):
         def attention(q, k, v):
-            return kernel.flash_attention(
-                q,
-                k,
-                v,
-                causal=shape.causal,
-                window_size=window,
-                softcap=shape.softcap or 0.0,
-                q_segment_ids=rows,
-                kv_segment_ids=rows,
-                generation=generation,
-                tiles=tiles,
-            )
+            return kernel.flash_attention(q, k, v, tiles=tiles, **options)
 
         return attention
 

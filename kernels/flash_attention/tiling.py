@@ -610,20 +610,22 @@ def choose_tiles(
             c = estimate_cost(tiles=t, pass_="fwd", generation=gen, segments=segments, **cost_kw)
             yield (bq, bqc, bk, bkc, nf), c
 
+    def pads_further(total, block, fwd_block):
+        return _r(total, math.lcm(block, fwd_block)) > _r(total, fwd_block)
+
     def backward(fwd_q, fwd_k):
         # the same candidates as (block_q_bwd, its compute tile, block_kv_bwd, ...), as two
         # passes or fused (dq resident in VMEM: the padded sequence must fit). Not blocks that
         # pad a sequence past the forward's blocks: both passes run the sequence padded to every
         # pass's block (Tiles.q_multiple / kv_multiple), and this ranking charges neither the
         # forward's longer run nor that pad (at 896 tokens a 512-row backward block padded both
-        # passes to 3584 rows, the forward's ranked time 82 -> 108 us).
+        # passes to 3584 rows, the forward's ranked time 82 -> 108 us). So every candidate pads
+        # as the forward's blocks do.
         for bq, bqc, bk, bkc in candidates:
-            if _r(total_q, math.lcm(bq, fwd_q)) > _r(total_q, fwd_q) or _r(
-                total_kv, math.lcm(bk, fwd_k)
-            ) > _r(total_kv, fwd_k):
+            if pads_further(total_q, bq, fwd_q) or pads_further(total_kv, bk, fwd_k):
                 continue
             for fused in (False, True):
-                seq_q = _r(total_q, math.lcm(bq, fwd_q)) if fused else None
+                seq_q = _r(total_q, fwd_q) if fused else None
                 nb = vmem_need_bwd(groups, head_dim, isz, bq, bk, segments, bqc, bkc, seq_q)
                 if nb > budget:
                     continue
@@ -631,25 +633,25 @@ def choose_tiles(
                 c = estimate_cost(tiles=t, pass_="bwd", generation=gen, **cost_kw)
                 yield (bq, bqc, bk, bkc, nb, fused), c
 
-    def padding(q_multiple, kv_multiple, q_arrays, kv_arrays):
-        """The XLA pad copies' rows x heads around a pass (q-side arrays of Hq heads, K/V-side
-        of Hkv): the kernel's ranking leaves them out (a longer sequence must not get faster
-        tiles than a shorter one), the tie-break below does not."""
-        return (
-            pad_copy_rows(total_q, q_multiple) * q_arrays * num_q_heads
-            + pad_copy_rows(total_kv, kv_multiple) * kv_arrays * num_kv_heads
+    def padding(q_multiple, kv_multiple):
+        """The rows x heads the forward's XLA pad copies move (q and the output's slice of Hq
+        heads, k and v of Hkv): the kernel's ranking leaves them out (a longer sequence must not
+        get faster tiles than a shorter one), the tie-break below does not."""
+        return 2 * (
+            pad_copy_rows(total_q, q_multiple) * num_q_heads
+            + pad_copy_rows(total_kv, kv_multiple) * num_kv_heads
         )
 
     # Times the model cannot tell apart (within its stated error on each pass's dumps): the
-    # fewest rows copied by XLA pads (the forward pads q and k/v and slices the output; the
-    # backward pads q, o, do and k/v and slices dq, dk, dv, to blocks that divide both passes'),
-    # then the larger DMA blocks, then (the backward on WIDEST_BWD_TILE_GENERATIONS) the widest
-    # compute tile, then the faster by the model, then the earlier candidate (larger compute
-    # tile first; two passes before fused), so the choice is deterministic.
+    # forward's fewest rows copied by XLA pads (it pads q and k/v and slices the output; the
+    # backward's blocks pad no further, `backward`), then the larger DMA blocks, then (the
+    # backward on WIDEST_BWD_TILE_GENERATIONS) the widest compute tile, then the faster by the
+    # model, then the earlier candidate (larger compute tile first; two passes before fused), so
+    # the choice is deterministic.
     best_f = best_tiles(
         forward(),
         gen,
-        tie_break=lambda k: (padding(k[0], k[2], 2, 2), -k[0] * k[2]),
+        tie_break=lambda k: (padding(k[0], k[2]), -k[0] * k[2]),
         within=RANKING_TOLERANCE,
     )
     best_b = None
@@ -661,11 +663,7 @@ def choose_tiles(
         best_b = best_tiles(
             backward(fq, fk),
             gen,
-            tie_break=lambda k: (
-                padding(math.lcm(k[0], fq), math.lcm(k[2], fk), 4, 4),
-                -k[0] * k[2],
-                -k[1] * k[3] if widest_bwd_first else 0,
-            ),
+            tie_break=lambda k: (-k[0] * k[2], -k[1] * k[3] if widest_bwd_first else 0),
             within=BWD_RANKING_TOLERANCE,
         )
     if best_b is None:
