@@ -622,6 +622,15 @@ MEASURED_FILES = (
     # in the same session: v5e_gmm_tile_sweep_budget.json)
     "v5e_ragged_ours_budget.json",
     "v5e_ragged_ours_budget_mixtral.json",
+    # our gmm at the tiles v5e's program budget of 41k MXU bundles picks (tiling.PROGRAM_MXU_BUNDLES,
+    # was 28k): Mixtral-8x7B down at 256 rows over all of K (128 before; both tilings timed in one
+    # session: v5e_gmm_budget41k.json; outputs at both against an f32 XLA reference:
+    # v5e_gmm_budget41k_check.json)
+    "v5e_ragged_ours_budget41k.json",
+    # the other ten v5e rows at the same budget: their tiles unchanged, their windows wider
+    # (tiling.window_cols: 256 -> 384 columns at Qwen3-30B-A3B gate_up, 512 -> 1024 at its down,
+    # 128 -> 256 / 512 -> 896 at DeepSeek-V3-like); the previous windows' times are the files above
+    "v5e_ragged_ours_budget41k_windows.json",
 )
 
 

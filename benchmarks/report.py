@@ -355,6 +355,14 @@ TRAINING_FILES = (
     # Llama-3-8B causal, its batch of 32, d=256 b2 and Gemma, beside the previous 256 x 256
     # (ours@...: outputs compared), one session
     "v5e_train_flash_widest_bwd_tiles.json",
+    # ours' dlhs at the tiles v5e's program budget of 41k MXU bundles picks (Mixtral-8x7B gate_up
+    # 128 / 28672 / 512, gate 256 / 14336 / 1024) beside megablox's; the previous tiles' times in
+    # the same session: v5e_dlhs_budget41k.json
+    "v5e_train_dlhs_budget41k.json",
+    # ours' tgmm at Qwen3-30B-A3B (4096 and 16384 tokens) with the wider windows that budget
+    # gives (tiles unchanged; the previous windows' times in the files above)
+    "v5e_train_tgmm_budget41k.json",
+    "v5e_train_tgmm_budget41k_t16384.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 
@@ -499,6 +507,11 @@ TILE_SWEEPS = (
     "v5e_flash_bwd_tile_sweep_widest_llama.json",
     "v5e_flash_bwd_tile_sweep_widest_gemma.json",
     "v5e_flash_bwd_tile_sweep_widest_b32.json",
+    # the picks v5e's program budget of 41k MXU bundles lets in (tiling.PROGRAM_MXU_BUNDLES, was
+    # 28k) beside the tiles 28k left: the gmm, its dlhs call (--pass dlhs) and int8 weights
+    "v5e_gmm_budget41k.json",
+    "v5e_dlhs_budget41k.json",
+    "v5e_int8_budget41k.json",
 )
 
 
@@ -526,8 +539,8 @@ def tile_sweep_markdown(files=TILE_SWEEPS) -> list[str]:
         "### Our kernels at other tiles on the chip",
         "",
         f"`benchmarks/tile_sweep.py` on {m['device_kind']} ({m['generation']}), jax {m['jax']},"
-        f" {m['date']}: the gmm and the tgmm (`--pass tgmm`) at other row tiles "
-        "(tm) than their own, the flash forward at "
+        f" {m['date']}: the gmm, its dlhs and int8-weight calls (`--pass dlhs`, `--pass int8`) "
+        "and the tgmm (`--pass tgmm`) at other tiles than their own, the flash forward at "
         "Flux-dev's 4608 tokens (no power-of-two block divides them; the named row's op, its "
         "XLA pads included) and with kv blocks past 2048 keys (explicit tiles get the budget "
         "model's VMEM limit), and the flash backward alone (`--pass bwd`). Tiles: (tm, tk, tn) "

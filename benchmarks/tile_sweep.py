@@ -21,8 +21,9 @@ fused (0 / 1), for the flash backward alone (`--kernel flash_attention --pass bw
 the pads around the kernels included, as a training step runs them). `--scheduled GEN` reads
 the gmm's, tgmm's or flash forward's tilings from the compiled schedule instead (no chip; the
 tgmm's through benchmarks/tgmm_schedule.py's rows), and those of the gmm's dlhs, int8-weight and
-fused-gate calls at the row's shape (`--pass dlhs|int8|gated`; `--pass int8` is timed on a chip
-too: the forward with int8 weights). `--vary FIELD=V1,V2` times, per shape, the
+fused-gate calls at the row's shape (`--pass dlhs|int8|gated`; `--pass int8` and `--pass dlhs`
+are timed on a chip too: the forward with int8 weights, and dy @ w[g].T on training_timing.py's
+dy). `--vary FIELD=V1,V2` times, per shape, the
 kernel's own tiling with that one field changed (FIELDS names them), so one sweep covers shapes
 whose own tilings differ. Every tiling is timed like a named row (device_timing.time_call);
 `--interpret` runs a small shape in TPU interpret mode (the plumbing, on a CPU).
@@ -139,6 +140,23 @@ def _tgmm_call(adapter, shape, gen, tiles):
     tgmm = adapter.mod.kernel.tgmm
     fn = lambda x, dy, gs: tgmm(x, dy, gs, tiling=tiles, generation=gen)  # noqa: E731
     return fn, training_timing.ragged_inputs(shape)
+
+
+def _dlhs_call(adapter, shape, gen, tiles):
+    """(fn, args) of our gmm's dlhs call at `shape` and `tiles` (dy [M, N] @ w[g].T, the tiles
+    those of the transposed problem: K and N swapped), on training_timing.py's inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    import training_timing
+
+    gmm = adapter.mod.kernel.gmm
+    _, dy, gs = training_timing.ragged_inputs(shape)
+    w = jax.random.normal(
+        jax.random.key(12), (shape.experts, shape.k, shape.n), jnp.dtype(shape.dtype)
+    )
+    fn = lambda dy, w, gs: gmm(dy, w, gs, transpose_rhs=True, tiling=tiles, generation=gen)  # noqa: E731
+    return fn, (dy, w, gs)
 
 
 def _int8_call(adapter, shape, gen, tiles):
@@ -264,8 +282,9 @@ def main(argv=None):
         default="gmm",
         choices=("gmm", "tgmm", "bwd", *GMM_VARIANT_PASSES),
         help="ragged_dot: the forward gmm (default) or the weight gradient tgmm, whose own "
-        "tiling is the one benchmarks/tgmm_schedule.py rows; with --scheduled also the gmm's "
-        "dlhs, int8-weight and fused-gate calls (benchmarks/ours.py GMM_VARIANTS); "
+        "tiling is the one benchmarks/tgmm_schedule.py rows, the gmm's dlhs and int8-weight "
+        "calls and, with --scheduled only, its fused-gate call (benchmarks/ours.py "
+        "GMM_VARIANTS); "
         "flash_attention: the forward (default) or, on a chip, the backward alone (bwd)",
     )
     p.add_argument("--out", type=Path, required=True)
@@ -285,8 +304,8 @@ def main(argv=None):
             p.error("--pass bwd: on a chip only (flash_dump_points.py reads its schedule)")
     elif args.pass_name != "gmm" and args.kernel != "ragged_dot":
         p.error(f"--pass {args.pass_name}: the ragged_dot kernel only")
-    if args.pass_name in ("dlhs", "gated") and not args.scheduled:
-        p.error(f"--pass {args.pass_name}: with --scheduled only (training_timing.py times it)")
+    if args.pass_name == "gated" and not args.scheduled:
+        p.error("--pass gated: with --scheduled only (training_timing.py times it)")
     if args.scheduled:
         return _scheduled(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -319,6 +338,8 @@ def main(argv=None):
                         fn, fargs = _tgmm_call(adapter, shape, gen, tiles)
                     elif args.pass_name == "int8":
                         fn, fargs = _int8_call(adapter, shape, gen, tiles)
+                    elif args.pass_name == "dlhs":
+                        fn, fargs = _dlhs_call(adapter, shape, gen, tiles)
                     elif args.pass_name == "bwd":
                         fn, fargs = _flash_bwd_call(adapter, shape, gen, tiles)
                     else:

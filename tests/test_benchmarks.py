@@ -565,20 +565,54 @@ def test_tile_sweep_schedules_flash_tilings_as_the_named_row(tmp_path):
 
 @pytest.mark.tpu_interpret
 @pytest.mark.timeout(300)
-def test_tile_sweep_times_tgmm_at_its_own_and_other_row_tiles(tmp_path):
-    """`tile_sweep.py --pass tgmm` (torch unimportable, TPU interpret mode): the weight
-    gradient at the tiles tgmm_schedule.py rows (the kernel's own) and at `--vary`'s row tiles,
-    the pass recorded for report.py's table."""
+@pytest.mark.parametrize(
+    "pass_name, shape, tm",
+    [("tgmm", "qwen3_30b_a3b_down_t16384", 256), ("dlhs", "mixtral_8x7b_gate_t4096", 64)],
+)
+def test_tile_sweep_times_a_ragged_pass_at_its_own_and_other_row_tiles(
+    tmp_path, pass_name, shape, tm
+):
+    """`tile_sweep.py --pass tgmm|dlhs` (torch unimportable, TPU interpret mode): the weight
+    gradient at the tiles tgmm_schedule.py rows (the kernel's own), or the gmm's dlhs call at its
+    own tiles, and each at `--vary`'s row tile, the pass recorded for report.py's table."""
     out = tmp_path / "sweep.json"
-    args = ["--pass", "tgmm", "--shape", "qwen3_30b_a3b_down_t16384", "--interpret"]
-    args += ["--vary", "tm=256", "--out", str(out)]
+    args = ["--pass", pass_name, "--shape", shape, "--interpret"]
+    args += ["--vary", f"tm={tm}", "--out", str(out)]
     _main_on_a_jax_only_machine("tile_sweep", args)
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert doc["pass"] == "tgmm"
+    assert doc["pass"] == pass_name
     assert [r["kernel_choice"] for r in rows] == [True, False], rows
-    assert rows[1]["tiles"] == [256] + rows[0]["tiles"][1:]
+    assert rows[1]["tiles"] == [tm] + rows[0]["tiles"][1:]
     assert all(r["measured_us"] > 0 for r in rows), rows
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tile_sweeps_dlhs_call_is_dy_times_the_transposed_weights():
+    """What `tile_sweep.py --pass dlhs` times (`_dlhs_call`), in TPU interpret mode at the
+    sweep's small shape: dy @ w[g].T of each row's group, against an f32 reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    import ours
+    import tile_sweep
+
+    shape = tile_sweep.SMALL["ragged_dot"]
+    adapter = ours.ADAPTERS["ragged_dot"]
+    tiles = ours.gmm_variant_tiles(adapter.mod, shape, "dlhs", "v5e")
+    fn, (dy, w, gs) = tile_sweep._dlhs_call(adapter, shape, "v5e", tiles)
+    with pltpu.force_tpu_interpret_mode():
+        got = np.asarray(jax.jit(fn)(dy, w, gs), np.float32)
+    rows_of = np.repeat(np.arange(shape.experts), np.asarray(gs))
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    want = np.einsum("mn,mkn->mk", f32(dy), f32(w)[rows_of], dtype=np.float32)
+    assert got.shape == (shape.m, shape.k)
+    np.testing.assert_allclose(
+        got, want.astype(jnp.bfloat16).astype(np.float32), rtol=2e-2, atol=0.25
+    )
 
 
 def test_run_shape_replaces_only_that_shapes_rows_in_place():

@@ -1088,15 +1088,16 @@ def test_int8_ranking_charges_each_weight_widening(monkeypatch):
     """int8 weights are widened to bf16, the whole block, on every grid step that computes, or
     with one K block once per N tile and run of a group's items (kernel.py `_prepare`), and the
     ranking charges those vregs to the steps' own code that many times (tiling._prepared_vregs,
-    weight_preparations). At v5e Mixtral-8x7B down, 4096 tokens, that makes 128-row tiles over
+    weight_preparations). At v5e Mixtral-8x7B down, 4096 tokens, that makes 256-row tiles over
     all of K (14336) the pick: each of the 8 experts' 7,168-vreg blocks widened 4 times instead
-    of on each of ~288 steps. On a TPU v5e chip they ran 5964 us against 6350 at the
-    1024 / 1024 / 4096 tiles charging every step picks (results/device/
-    v5e_int8_tile_sweep_prepare_once.json; 7471 us when every step widened)."""
+    of on each of ~160 steps. On a TPU v5e chip the one-K-block tiles ran 5964 us (128 rows)
+    against 6350 at the 1024 / 1024 / 4096 tiles charging every step picks (results/device/
+    v5e_int8_tile_sweep_prepare_once.json; 7471 us when every step widened), and 5692 at 256
+    rows against 5796 at 128 in one later session (v5e_int8_budget41k.json)."""
     gens = importlib.import_module(f"{rd.__name__}.tpu_generations")
     g = gens.GENERATIONS["v5e"]
     args = (g, 8192, 14336, 4096, 8, "bfloat16")
-    tall, deep = (128, 14336, 1024), (1024, 1024, 4096)
+    tall, deep = (256, 14336, 1024), (1024, 1024, 4096)
     for tiles, preparations in (
         (tall, 4 * 8),  # one K block: N tiles x runs (the 8 experts)
         (deep, 14 * T._expected_windows(8192, 8, 1024, 16)[0]),  # K tiles x computing items

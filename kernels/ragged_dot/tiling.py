@@ -318,6 +318,8 @@ def _dim_candidates(size: int, halves: bool = False) -> list[int]:
 # 4096 tokens: 1912 us against 1496 (256), 1614 (512), 1684 (1024); where only 128 rows fit a
 # whole-K block they won: Mixtral-8x7B down, 4096 tokens, 128 / 14336 / 512 ran 6262 us
 # against 7044 at 1024 / 2048 / 2048 (benchmarks/results/device/v5e_gmm_tile_sweep_run_ahead.json).
+# (Since v5e's program budget went 28k -> 41k, 256 rows hold that block and ran 5538 us
+# against 5954 at 128; the dlhs of Mixtral gate_up, K 28672, still takes 128: PROGRAM_MXU_BUNDLES.)
 GMM_MIN_ROW_TILE = 256
 
 
@@ -380,7 +382,16 @@ MAX_DOT_ELEMENTS = 2048 * 2048
 # generation's MACs per bundle). The budgets come from libtpu 0.0.42's overlay graphs of
 # deviceless compiles (llo_schedule.program_overlays; the XLA ops around the kernel sit in an
 # overlay of their own) at the named gmm cells (benchmarks/shapes.py):
-# - v5e 28k, timed on the chip: Qwen3-30B-A3B gate_up's 31,666-bundle kernel in one overlay.
+# - v5e 41k: Mixtral-8x7B down at 256-row tiles and a whole 14336-deep K block (39.8k MXU bundles)
+#   is a 39,800-bundle kernel in one overlay, the dlhs of Mixtral gate_up at 128 / 28672 / 512
+#   (39.4k) a 40,088-bundle one, and DeepSeek-V3-like gate at 512 / 7168 (46.7k) a 46,376-bundle
+#   one; the 68k gated kernel below is cut into 4. The budget was 28k, from the one size then
+#   timed on the chip (Qwen3-30B-A3B gate_up's 31,666-bundle kernel); on a TPU v5e chip the
+#   picks 41k let in all ran faster than the 128-row or split-K tiles 28k left: the gmm at
+#   Mixtral-8x7B down 256 / 14336 / 1024 5538 us against 5954 at 128 rows (4096 tokens) and
+#   20780 against 21831 (16384), with int8 weights 5692 against 5796; the dlhs of Mixtral gate
+#   5519 against 5820 and of Mixtral gate_up 128 / 28672 / 512 12212 against 13258 at
+#   1024 / 2048 / 4096 (benchmarks/results/device/v5e_*_budget41k.json).
 # - v6e 41k: Qwen3-30B-A3B gate_up at 4096 tokens with whole 1536-column windows (40k MXU
 #   bundles) is a 47,642-bundle kernel in one overlay; DeepSeek-V3-like down at 47k MXU bundles
 #   a 57,348-bundle one, still in one; Mixtral gate_up at 53k a 68,168-bundle one, cut into 8. The
@@ -389,7 +400,7 @@ MAX_DOT_ELEMENTS = 2048 * 2048
 #   bundle than macs_per_bundle counts); Mixtral gate_up at 53.5k MXU bundles, every named
 #   cell's widest windows, is a 42,310-bundle kernel in one 45,928-bundle overlay.
 # A generation not listed takes the smallest budget.
-PROGRAM_MXU_BUNDLES = {"v5e": 28_000, "v6e": 41_000, "tpu7x": 54_000}
+PROGRAM_MXU_BUNDLES = {"v5e": 41_000, "v6e": 41_000, "tpu7x": 54_000}
 
 
 def program_mxu_bundles(gen: TpuGeneration) -> int:
