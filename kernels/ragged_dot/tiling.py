@@ -399,13 +399,15 @@ MAX_DOT_ELEMENTS = 2048 * 2048
 # - TPU7x 54k: its kernels take ~0.8 bundles per MXU bundle of window code (more work per
 #   bundle than macs_per_bundle counts); Mixtral gate_up at 53.5k MXU bundles, every named
 #   cell's widest windows, is a 42,310-bundle kernel in one 45,928-bundle overlay.
-# A generation not listed takes the smallest budget.
+# A generation not listed (v5p: no dump of it read) takes UNLISTED_PROGRAM_MXU_BUNDLES, the
+# budget v5e had before its overlay graphs were read (a 31,666-bundle kernel fit one overlay).
 PROGRAM_MXU_BUNDLES = {"v5e": 41_000, "v6e": 41_000, "tpu7x": 54_000}
+UNLISTED_PROGRAM_MXU_BUNDLES = 28_000
 
 
 def program_mxu_bundles(gen: TpuGeneration) -> int:
     """The MXU bundles every window copy of one gmm / tgmm kernel may take on `gen` together."""
-    return PROGRAM_MXU_BUNDLES.get(gen.name, min(PROGRAM_MXU_BUNDLES.values()))
+    return PROGRAM_MXU_BUNDLES.get(gen.name, UNLISTED_PROGRAM_MXU_BUNDLES)
 
 
 def macs_per_bundle(gen: TpuGeneration) -> float:
