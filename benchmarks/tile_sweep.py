@@ -145,16 +145,11 @@ def _tgmm_call(adapter, shape, gen, tiles):
 def _dlhs_call(adapter, shape, gen, tiles):
     """(fn, args) of our gmm's dlhs call at `shape` and `tiles` (dy [M, N] @ w[g].T, the tiles
     those of the transposed problem: K and N swapped), on training_timing.py's inputs."""
-    import jax
-    import jax.numpy as jnp
-
     import training_timing
 
     gmm = adapter.mod.kernel.gmm
     _, dy, gs = training_timing.ragged_inputs(shape)
-    w = jax.random.normal(
-        jax.random.key(12), (shape.experts, shape.k, shape.n), jnp.dtype(shape.dtype)
-    )
+    w = training_timing.ragged_weights(shape)
     fn = lambda dy, w, gs: gmm(dy, w, gs, transpose_rhs=True, tiling=tiles, generation=gen)  # noqa: E731
     return fn, (dy, w, gs)
 

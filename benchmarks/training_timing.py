@@ -74,9 +74,20 @@ def _megablox_tilings(shape, pass_name):
 INPUT_SEED = 5
 
 
+def ragged_weights(shape):
+    """The experts' weights [G, K, N] of the grouped matmul's passes at `shape`, seeded from
+    `ragged_inputs`' key. Made per timed case: two copies of DeepSeek-V3-like's 7.5 GB weights
+    do not fit the chip."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.fold_in(jax.random.key(INPUT_SEED), 1)
+    return jax.random.normal(key, (shape.experts, shape.k, shape.n), jnp.dtype(shape.dtype))
+
+
 def ragged_inputs(shape):
     """(x [M, K], dy [M, N], group_sizes) of the grouped matmul's passes at `shape`, seeded
-    (the weights, `gmm_cases`' w(), come from the same key)."""
+    (the weights, `ragged_weights`, come from the same key)."""
     import jax
     import jax.numpy as jnp
 
@@ -100,17 +111,13 @@ def gmm_cases(shape, generation, small=False):
     dt = jnp.dtype(shape.dtype)
     x, dy, gs = ragged_inputs(shape)
 
-    def w():  # made per case: two copies of DeepSeek-V3-like's 7.5 GB weights do not fit
-        key = jax.random.fold_in(jax.random.key(INPUT_SEED), 1)
-        return jax.random.normal(key, (shape.experts, shape.k, shape.n), dt)
-
     ours_kw = dict(generation=generation)
 
     yield (
         "ours",
         "dlhs",
         lambda dy, w, gs: kernel.gmm(dy, w, gs, transpose_rhs=True, **ours_kw),
-        (dy, w(), gs),
+        (dy, ragged_weights(shape), gs),
         None,
     )
     yield "ours", "tgmm", lambda x, dy, gs: kernel.tgmm(x, dy, gs, **ours_kw), (x, dy, gs), None
@@ -119,7 +126,7 @@ def gmm_cases(shape, generation, small=False):
             impl,
             "dlhs",
             lambda dy, w, gs, t=t: mg.gmm(dy, w, gs, dt, tiling=t, transpose_rhs=True),
-            (dy, w(), gs),
+            (dy, ragged_weights(shape), gs),
             t,
         )
     for impl, t in _megablox_tilings(shape, "tgmm").items():
@@ -141,7 +148,7 @@ def gmm_cases(shape, generation, small=False):
         "ours",
         "gated_silu",
         lambda x, w, gs: kernel.gmm_gated(x, w, gs, activation="silu", **ours_kw),
-        (x, w(), gs),
+        (x, ragged_weights(shape), gs),
         None,
     )
 
@@ -157,21 +164,21 @@ def gmm_cases(shape, generation, small=False):
         lambda x, w, gs: kernel.gmm_gated(
             x, w, gs, activation="gpt_oss_swiglu", layout="interleaved", **ours_kw
         ),
-        (x, w(), gs),
+        (x, ragged_weights(shape), gs),
         None,
     )
     yield (
         "ours",
         "gmm_then_xla_swiglu_interleaved",
         lambda x, w, gs: xla_swiglu(kernel.gmm(x, w, gs, **ours_kw)),
-        (x, w(), gs),
+        (x, ragged_weights(shape), gs),
         None,
     )
     yield (
         "ours",
         "gmm_then_xla_silu",
         lambda x, w, gs: xla_gate(kernel.gmm(x, w, gs, **ours_kw)),
-        (x, w(), gs),
+        (x, ragged_weights(shape), gs),
         None,
     )
     for impl, t in _megablox_tilings(shape, "gated_silu").items():
@@ -179,7 +186,7 @@ def gmm_cases(shape, generation, small=False):
             impl,
             "gmm_then_xla_silu",
             lambda x, w, gs, t=t: xla_gate(mg.gmm(x, w, gs, dt, tiling=t)),
-            (x, w(), gs),
+            (x, ragged_weights(shape), gs),
             t,
         )
 
