@@ -188,6 +188,9 @@ def test_each_head_dim_forward(D):
         ("window_softcap_sinks_bf16", 1, 4, 2, 64, 64, True, (9, -1), 6.0, True, jnp.bfloat16),
         ("bidirectional_window", 1, 2, 2, 45, 45, False, (7, 4), 0.0, False, jnp.float32),
         ("sq_gt_sk_rows_see_nothing", 1, 2, 1, 40, 12, True, (-1, -1), 0.0, True, jnp.float32),
+        # Unpadded lengths and a band wider than a tile's diagonal: one compare per score.
+        ("window_one_compare_masks", 1, 4, 2, 96, 96, True, (40, -1), 0.0, False, jnp.float32),
+        ("bidirectional_one_compare", 1, 2, 1, 96, 96, False, (20, 20), 0.0, True, jnp.float32),
     ],
 )
 def test_dense_features(name, B, Hq, Hkv, Sq, Sk, causal, window, softcap, sinks, dtype):
@@ -442,6 +445,66 @@ def test_tile_masks_are_the_mask_rule(groups, bqc, bkc, t0, u0, seq, band):
             kv_major = K._masked_probabilities(kv_mask, tile.T, probs, 1, scores_first)
             np.testing.assert_array_equal(np.asarray(q_major), np.where(want, tile, 0.0))
             np.testing.assert_array_equal(np.asarray(kv_major), np.where(want, tile, 0.0).T)
+
+
+def _dense_tile_masks_check(groups, bqc, bkc, t0, u0, lengths, padded, off, band):
+    """`_tile_mask` / `_tile_mask_t` of a dense call (SeqEdges from its real and padded
+    lengths) against the rule, on one tile inside the padded lengths."""
+    (sq, sk), (sq_p, sk_p) = lengths, padded
+    edges = K.SeqEdges(False, sq < sq_p, False, sk < sk_p)
+    seq = (0, sq, 0, sk, off)
+    t = np.tile(np.arange(bqc), groups)[:, None] + t0
+    u = np.arange(bkc)[None, :] + u0
+    d = u - t + off
+    want = (t < sq) & (u < sk) & (d >= band.lo) & (d <= band.hi)
+    q_mask = K._tile_mask(groups, bqc, bkc, t0, u0, seq, band, edges=edges)
+    kv_mask = K._tile_mask_t(groups, bqc, bkc, t0, u0, seq, band, edges=edges)
+    if q_mask is None:  # nothing to mask: every score is seen
+        assert kv_mask is None and want.all()
+        return
+    np.testing.assert_array_equal(np.asarray(q_mask), want)
+    np.testing.assert_array_equal(np.asarray(kv_mask), want.T)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    groups=st.sampled_from([1, 2, 4]),
+    bqc=st.sampled_from([8, 16]),
+    bkc=st.sampled_from([8, 16, 128]),
+    t0=st.integers(0, 10).map(lambda i: 8 * i),
+    u0=st.integers(0, 10).map(lambda i: 8 * i),
+    lengths=st.tuples(st.integers(0, 300), st.integers(0, 300)),
+    pad=st.tuples(st.booleans(), st.booleans()),
+    off=st.integers(-30, 30),
+    band=st.sampled_from([(None, 0), (-20, 0), (-9, 4), (-40, 40), (3, None), (None, None)]),
+)
+def test_dense_tile_masks_leave_out_the_sequence_ends_no_block_holds(
+    groups, bqc, bkc, t0, u0, lengths, pad, off, band
+):
+    """A dense call's sequences start at token 0 and end at their padded length unless padding
+    follows them (`SeqEdges`): its masks leave those compares out, and with a band too wide for
+    one tile to meet both of its edges (`_one_edge`: bands (-20, 0), (-40, 40) against 8- and
+    16-wide tiles) compare each score against one side. Every form equals the rule."""
+    big = K._UNBOUNDED
+    b = K.Band(-big if band[0] is None else band[0], big if band[1] is None else band[1])
+    # An unpadded sequence ends at its padded length, past every tile here.
+    padded = tuple(n if p else 10_000 for n, p in zip(lengths, pad))
+    lengths = tuple(n if p else 10_000 for n, p in zip(lengths, pad))
+    padded = tuple(p + 1 if q else p for p, q in zip(padded, pad))  # padding follows
+    _dense_tile_masks_check(groups, bqc, bkc, t0, u0, lengths, padded, off, b)
+
+
+def test_one_compare_masks_take_either_edge_of_a_window():
+    """Every tile of a 16 x 16 sweep along a window band of 41 keys: the one-compare form
+    (`_in_bounds` with `lo_last`) meets tiles the lower edge cuts, tiles the upper edge cuts and
+    tiles inside the band, and equals the rule on each."""
+    b = K.Band(-40, 0)
+    assert K._one_edge(b, K.SeqEdges(False, False, False, False), 16, 16)
+    assert not K._one_edge(b, K.SeqEdges(False, False, False, False), 16, 128)
+    assert not K._one_edge(b, K.SeqEdges(), 16, 16)
+    for t0 in range(0, 96, 16):
+        for u0 in range(0, 112, 8):
+            _dense_tile_masks_check(2, 16, 16, t0, u0, (10_000,) * 2, (10_000,) * 2, 0, b)
 
 
 @pytest.mark.parametrize("kv_major", [False, True])
@@ -960,6 +1023,20 @@ def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
         _check_dense(
             *_dense_case(1, 4, 2, 40, 40, 64, jnp.float32, True, (20, -1), 0.0, True, False),
             tiles=tiles,
+            interpret=_tpu_params(),
+        )
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tpu_interpret_one_compare_masks():
+    """An unpadded dense call with a window wider than a compute tile's diagonal: every masked
+    tile (forward, dq, dk/dv) compares its scores against one edge of the band."""
+    assert K._one_edge(K.Band(-40, 0), K.SeqEdges(False, False, False, False), 16, 16)
+    with tpu_interpreter.race_checked():
+        _check_dense(
+            *_dense_case(1, 4, 2, 64, 64, 64, jnp.float32, True, (40, -1), 0.0, False, False),
+            tiles=TINY,
             interpret=_tpu_params(),
         )
 
