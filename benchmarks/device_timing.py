@@ -616,6 +616,11 @@ MEASURED_FILES = (
     # (kernel._masked_scores), four named rows; v5e_flash_before_bias_mask.json the previous
     # kernel in the same session, v5e_flash_check_bias_mask.json the checks (backward too)
     "v5e_flash_bias_mask.json",
+    # masked tiles comparing against the band alone where no sequence end can fall inside a block
+    # (a dense call), one compare per score where no tile meets both band edges, the forward's row
+    # bounds once per group (kernel._in_bounds), four named rows; v5e_flash_before_one_compare.json
+    # the previous kernel in the same session, v5e_flash_check_one_compare.json the checks
+    "v5e_flash_one_compare.json",
     # our gmm at the tiles it picks once ragged dot's VMEM budget became flash attention's
     # (tpu_generations.vmem_budget_bytes), the v5e rows whose tiles moved: DeepSeek-V3-like (its
     # previous tiles timed in the files above) and Mixtral-8x7B (previous tiles beside the new ones

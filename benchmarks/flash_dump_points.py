@@ -39,7 +39,8 @@ def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
     and the forward's edge walk pick one per group: kernel._groups), whose vmatmul count is a
     positive multiple of the tile's MXU pushes and that select (vsel) exactly when the point is a
     masked one, the one with the most bundles (the edge walk compiles a masked loop on each side
-    of the mask-free run; they match). A forward point also names its path: "walk" takes a body
+    of the mask-free run; they match). A group loop of two bodies alike, neither selecting, is
+    the walk of a call with nothing to mask: a mask-free point reads either body. A forward point also names its path: "walk" takes a body
     of the walk's group loop (or, where the walk has no mask-free body, as with segment ids, its
     one masked loop), "interior" an innermost loop that never selects and holds one body (the
     interior path's q-tile loop)."""
@@ -50,12 +51,16 @@ def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
             continue
         branches = loop.get("branches", [])
         mixed = len({"vsel" in b["ops"] for b in branches}) == 2
-        for seg in branches if mixed else [loop["own"]]:
+        # A group loop whose two bodies issue the same matmuls and neither selects: the walk of
+        # a dense bidirectional call, whose masked groups have nothing to mask (kernel.SeqEdges).
+        alike = len(branches) == 2 and len({b["ops"].get("vmatmul") for b in branches}) == 1
+        walk = mixed or alike
+        for seg in branches if walk else [loop["own"]]:
             ops = seg["ops"]
             pushes = ops.get("vmatmul", 0)
             if not pushes or pushes % mxu_pushes or ("vsel" in ops) != bool(point["masked"]):
                 continue
-            if path is not None and path != ("walk" if mixed or "vsel" in ops else "interior"):
+            if path is not None and path != ("walk" if walk or "vsel" in ops else "interior"):
                 continue
             found.append(seg)
     if not found:

@@ -483,7 +483,7 @@ def test_dense_tile_masks_leave_out_the_sequence_ends_no_block_holds(
 ):
     """A dense call's sequences start at token 0 and end at their padded length unless padding
     follows them (`SeqEdges`): its masks leave those compares out, and with a band too wide for
-    one tile to meet both of its edges (`_one_edge`: bands (-20, 0), (-40, 40) against 8- and
+    one tile to meet both of its edges (`tiling.one_edge_tiles`: bands (-20, 0), (-40, 40) against 8- and
     16-wide tiles) compare each score against one side. Every form equals the rule."""
     big = K._UNBOUNDED
     b = K.Band(-big if band[0] is None else band[0], big if band[1] is None else band[1])
@@ -499,9 +499,12 @@ def test_one_compare_masks_take_either_edge_of_a_window():
     (`_in_bounds` with `lo_last`) meets tiles the lower edge cuts, tiles the upper edge cuts and
     tiles inside the band, and equals the rule on each."""
     b = K.Band(-40, 0)
-    assert K._one_edge(b, K.SeqEdges(False, False, False, False), 16, 16)
-    assert not K._one_edge(b, K.SeqEdges(False, False, False, False), 16, 128)
-    assert not K._one_edge(b, K.SeqEdges(), 16, 16)
+    assert T.one_edge_tiles(b, 16, 16, sequence_ends=False)
+    assert not T.one_edge_tiles(b, 16, 128, sequence_ends=False)
+    assert not T.one_edge_tiles(b, 16, 16, sequence_ends=True)
+    # the cost model charges the second compare where the kernel makes it
+    assert not T.compares_both_edges(b, 16, 16, False) and T.compares_both_edges(b, 16, 16, True)
+    assert not T.compares_both_edges(K.Band.make(True, -1, -1), 16, 128, True)  # causal
     for t0 in range(0, 96, 16):
         for u0 in range(0, 112, 8):
             _dense_tile_masks_check(2, 16, 16, t0, u0, (10_000,) * 2, (10_000,) * 2, 0, b)
@@ -1032,7 +1035,7 @@ def test_tpu_interpret_dense_causal_gqa_window_sinks(fused):
 def test_tpu_interpret_one_compare_masks():
     """An unpadded dense call with a window wider than a compute tile's diagonal: every masked
     tile (forward, dq, dk/dv) compares its scores against one edge of the band."""
-    assert K._one_edge(K.Band(-40, 0), K.SeqEdges(False, False, False, False), 16, 16)
+    assert T.one_edge_tiles(K.Band(-40, 0), 16, 16, sequence_ends=False)
     with tpu_interpreter.race_checked():
         _check_dense(
             *_dense_case(1, 4, 2, 64, 64, 64, jnp.float32, True, (40, -1), 0.0, False, False),

@@ -271,19 +271,11 @@ class _RowBounds(typing.NamedTuple):
     """Each row's visible columns lo <= col <= hi of a tile (lane-replicated [rows, 128] int32,
     columns counted from y0), None on a side that never cuts a tile (static). `lo_last`: the
     largest row's lo (a scalar) where a tile meets at most one of the band's edges
-    (`_one_edge`), so that a tile compares each score against one side only."""
+    (`tiling.one_edge_tiles`), so that a tile compares each score against one side only."""
 
     lo: Optional[jax.Array]
     hi: Optional[jax.Array]
     lo_last: Optional[jax.Array] = None
-
-
-def _one_edge(band: Band, edges: SeqEdges, x_tile: int, y_tile: int) -> bool:
-    """Whether no x_tile x y_tile tile meets both edges of the band, nor a sequence end: its
-    distances y - x + off take x_tile + y_tile - 1 values, fewer than would reach from below
-    band.lo to above band.hi (a window 1024 against 512 x 512 tiles)."""
-    finite = band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED
-    return finite and edges.none and x_tile + y_tile - 2 < band.hi - band.lo + 2
 
 
 def _interval_bounds(
@@ -373,7 +365,7 @@ def _tile_bounds(groups, bqc, bkc, t0, y0, seq, band: Band, edges: SeqEdges):
         band,
         (edges.q_start, edges.q_end),
         (edges.k_start, edges.k_end),
-        _one_edge(band, edges, bqc, bkc),
+        _tiling.one_edge_tiles(band, bqc, bkc, not edges.none),
     )
 
 
@@ -406,7 +398,7 @@ def _tile_mask_t(groups, bqc, bkc, t0, u0, seq, band: Band, ids=None, edges=ANY_
         band,
         (edges.k_start, edges.k_end),
         (edges.q_start, edges.q_end),
-        _one_edge(band, edges, bqc, bkc),
+        _tiling.one_edge_tiles(band, bqc, bkc, not edges.none),
         mirrored=True,
     )
     mask = _in_bounds(bounds, groups * bqc, col_period=bqc)
@@ -1838,6 +1830,8 @@ def flash_attention_bwd(
     o5, do5 = to5(o), to5(do)
     lse5 = _lse_in(lse, prob)
     exp_bf16 = _tiling.exp_in_bf16(generation, q.dtype)
+    if not _tiling.backward_band_masks(generation):
+        prob = dataclasses.replace(prob, seq_edges=ANY_EDGES)
     dq5, dk4, dv4, di = _backward(
         q5,
         k4,

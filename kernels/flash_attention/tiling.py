@@ -712,14 +712,53 @@ def choose_tiles(
 # one nearest the ops the bodies issue, ~5 a score vreg unmasked). v5e's walk is chain-bound
 # where its tile is not MXU-bound (d = 128: 640 bundles a 512 x 256 walk tile against 550 on the
 # interior path); v6e's and TPU7x's mask-free walk tiles are within 3% of their interior ones.
+# The mask figure refitted on the masked points re-dumped once a dense call's masks compared
+# against the band alone, one compare where a tile meets one edge (kernel._in_bounds): v6e
+# 2.0 -> 1.7, TPU7x 1.2 -> 0.8 (v5e's 0.6 holds). The wan-like masked points were dropped: that
+# call (bidirectional, unpadded) has nothing to mask, and its tail groups compile mask-free.
 FWD_VALU_PER_SCORE_VREG = {  # (interior, walk's chain added, mask added)
     "v5e": (5.0, 7.0, 0.6),
-    "v6e": (4.6, 0.0, 2.0),
-    "tpu7x": (5.0, 0.2, 1.2),
+    "v6e": (4.6, 0.0, 1.7),
+    "tpu7x": (5.0, 0.2, 0.8),
 }
 FWD_VALU_PER_SCORE_VREG["v5p"] = FWD_VALU_PER_SCORE_VREG["v5e"]
 VALU_PER_ACC_VREG = 2.0
 VALU_SECOND_EDGE_PER_SCORE_VREG = 0.8
+
+
+def one_edge_tiles(band: Band, rows: int, cols: int, sequence_ends: bool) -> bool:
+    """Whether every masked tile of `rows` query tokens x `cols` keys meets at most one edge of a
+    band bounded on both sides, so that it compares each score against that edge alone
+    (kernel._in_bounds): no sequence end falls inside a block (`sequence_ends` False: a dense
+    call whose lengths need no padding) and the tile's distances y - x + off, rows + cols - 1
+    values, cannot reach from below band.lo to above band.hi (a window 1024 against 512 x 512
+    tiles). Otherwise a band bounded on both sides costs a masked tile its second compare
+    (VALU_SECOND_EDGE_PER_SCORE_VREG, the cost model's `two_edges`)."""
+    finite = band.lo > -UNBOUNDED and band.hi < UNBOUNDED
+    return finite and not sequence_ends and rows + cols - 2 < band.hi - band.lo + 2
+
+
+# Generations whose backward masks take a dense call's band-only form too (kernel.SeqEdges,
+# `one_edge_tiles`). TPU7x's dk/dv model, refitted on its cheaper masked dumps (Llama-3-8B
+# 1024 x 512: 2,293 -> 2,182 bundles a tile), moves Llama-3-8B window 1024's backward to
+# 512-row stacked tiles, which the same dumps put at 9.5% (masked) and 18% (mask-free) more
+# bundles per score than the 1024-row ones; no fit within the tolerance keeps its tiles, and
+# no whole-call dump of the backward settles it, so TPU7x's backward keeps the general masks.
+BAND_MASK_BWD_GENERATIONS = ("v5e", "v5p", "v6e")
+
+
+def backward_band_masks(generation=None) -> bool:
+    """Whether the backward's masked tiles take a dense call's band-only masks
+    (BAND_MASK_BWD_GENERATIONS; the forward's always do)."""
+    return get_generation(generation).name in BAND_MASK_BWD_GENERATIONS
+
+
+def compares_both_edges(band: Band, rows: int, cols: int, sequence_ends: bool) -> bool:
+    """The cost model's `two_edges` for a masked rows x cols tile (`one_edge_tiles`)."""
+    finite = band.lo > -UNBOUNDED and band.hi < UNBOUNDED
+    return finite and not one_edge_tiles(band, rows, cols, sequence_ends)
+
+
 VALU_SOFTCAP_PER_SCORE_VREG = 2.4
 VALU_SEGMENT_PER_SCORE_VREG = 1.4
 FWD_PATHS = ("interior", "walk")
@@ -736,7 +775,8 @@ def fwd_tile_units(
 ):
     """Per score tile of `rows` stacked query rows x `cols` keys: MXU pushes (QK^T and PV), EUP
     pushes and VALU ops of an interior (mask-free) tile, and the VALU ops the walk's chain
-    (`walk_valu_ops`), a mask (`two_edges`: a band bounded on both sides) and segment ids add."""
+    (`walk_valu_ops`), a mask (`two_edges`: one that compares against both edges of a band,
+    `compares_both_edges`) and segment ids add."""
     interior, walk, mask = FWD_VALU_PER_SCORE_VREG[gen.name]
     dp = _r(head_dim, NUM_LANES)
     score_vregs = rows * cols / (NUM_SUBLANES * NUM_LANES)
@@ -811,10 +851,16 @@ def fwd_tile_bundles(
 # the dumps put at 11-18% more bundles per score than the 1024-row ones). v5e's fused mask
 # figure went 18.1 -> 17.5 with the 512-key dumps: four stacked heads' masked 1024 x 512 tile
 # is MXU-bound in its dump (4739 bundles), and 18.1 made the model's VALU term bind above it.
+# Refitted on the masked points re-dumped once a dense call's masks compared against the band
+# alone, one compare where a tile meets one edge (kernel._in_bounds): v6e dk/dv 4.3 -> 2.9,
+# dq 1.0 -> 0.2, fused 5.4 -> 4.1, among fits within half a point of the least largest error
+# the one nearest the earlier figure. The four-head masked 1024 x 512 fused tile on v5e (4705
+# bundles) now sits at the MXU floor like its mask-free twin (role "mxu-floor"). TPU7x's
+# backward keeps the general masks and its figures (BAND_MASK_BWD_GENERATIONS).
 BWD_PASSES = ("dkv", "dq", "fused")
 BWD_VALU_PER_SCORE_VREG = {
     "v5e": {"dkv": (10.0, 13.0), "dq": (17.5, 0.3), "fused": (11.0, 17.5)},
-    "v6e": {"dkv": (9.0, 4.3), "dq": (9.4, 1.0), "fused": (11.0, 5.4)},
+    "v6e": {"dkv": (9.0, 2.9), "dq": (9.4, 0.2), "fused": (11.0, 4.1)},
     "tpu7x": {"dkv": (7.0, 6.0), "dq": (6.7, 2.0), "fused": (11.0, 5.0)},
 }
 BWD_VALU_PER_SCORE_VREG["v5p"] = BWD_VALU_PER_SCORE_VREG["v5e"]  # no v5p dump: v5e's (same VPU)
@@ -866,7 +912,8 @@ def bwd_tile_units(
 ):
     """Per backward score tile of `rows` stacked query rows x `cols` keys in pass `pass_`
     ("dkv", "dq" or "fused"): MXU pushes, EUP pushes, effective VALU ops (unmasked), and the
-    VALU ops a mask (`two_edges`: a band bounded on both sides) / segment ids add."""
+    VALU ops a mask (`two_edges`: both edges of a band, `compares_both_edges`) / segment ids
+    add."""
     if pass_ not in BWD_PASSES:
         raise ValueError(f"pass_ must be one of {BWD_PASSES}, got {pass_!r}")
     dp = _r(head_dim, NUM_LANES)
@@ -1036,6 +1083,8 @@ def estimate_cost(
         seqs = tuple(np.array([v], np.int64) for v in (0, q_len, 0, kv_len, q_len - kv_len))
     n_seq = len(seqs[0])
     band = Band.make(causal, *window_size)
+    # A dense call's sequences end inside a block only where the call pads them (kernel.SeqEdges).
+    sequence_ends = varlen or Sq != q_len or Sk != kv_len
     lo, hi = band.lo, band.hi
     if has_ids:
         q_ids = np.asarray(q_segment_ids, np.int64)
@@ -1133,7 +1182,7 @@ def estimate_cost(
         gen_f = get_generation(generation)
         kw = dict(
             softcap=bool(softcap),
-            two_edges=band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED,
+            two_edges=compares_both_edges(band, bqc, bkc, sequence_ends),
             exp_bf16=exp_in_bf16(gen_f, dtype),
         )
         units = fwd_tile_units(gen_f, G * bqc, bkc, D, **kw)
@@ -1224,7 +1273,7 @@ def estimate_cost(
             D,
             pass_name,
             softcap=bool(softcap),
-            two_edges=band.lo > -_UNBOUNDED and band.hi < _UNBOUNDED,
+            two_edges=compares_both_edges(band, bqc, bkc, sequence_ends),
         )
         n_live, n_masked = Hkv * live, Hkv * masked
         tiles_b += n_live
