@@ -636,6 +636,10 @@ MEASURED_FILES = (
     # (tiling.window_cols: 256 -> 384 columns at Qwen3-30B-A3B gate_up, 512 -> 1024 at its down,
     # 128 -> 256 / 512 -> 896 at DeepSeek-V3-like); the previous windows' times are the files above
     "v5e_ragged_ours_budget41k_windows.json",
+    # the soft-capped forward taking its exps against a fixed max (tiling.softcap_fixed_max),
+    # Gemma's row; v5e_flash_before_fixed_max.json the previous kernel in the same session,
+    # v5e_flash_check_fixed_max.json the checks (backward too)
+    "v5e_flash_fixed_max.json",
 )
 
 

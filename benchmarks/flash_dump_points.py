@@ -13,7 +13,7 @@ for the reader of the errors it prints; tests hold every point to the model's to
 (test_shared_contract.py the forward's, test_flash_attention_kernel.py the backward's).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/flash_dump_points.py [--pass fwd|dkv|dq|fused] \\
-        [--generation v6e] [--jobs 2] [--keep DIR] [--write]
+        [--generation v6e] [--shape NAME] [--jobs 2] [--keep DIR] [--write]
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def model_fields(point: dict) -> dict:
     T, args = _point_args(point)
     kw = dict(masked=point["masked"], softcap=point["softcap"], two_edges=point["two_edges"])
     if point["pass"] == "fwd":
-        model = T.fwd_tile_bundles(*args, path=point["path"], exp_bf16=point["exp_bf16"], **kw)
+        fwd = dict(exp_bf16=point["exp_bf16"], fixed_max=point.get("fixed_max", False))
+        model = T.fwd_tile_bundles(*args, path=point["path"], **fwd, **kw)
     else:
         model = T.bwd_tile_bundles(*args, point["pass"], **kw)
     return {
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "dkv", "dq", "fused"))
     ap.add_argument("--generation")
+    ap.add_argument("--shape", help="only the points of this named shape")
     ap.add_argument("--write", action="store_true", help="rewrite the calibration file")
     ap.add_argument("--jobs", type=int, default=1, help="dumps compiled at once")
     ap.add_argument("--keep", type=Path, help="a folder keeping each dump's summary (reused)")
@@ -173,6 +175,7 @@ def main(argv=None) -> int:
         for p in data["points"] + data["bwd_points"]
         if (args.pass_ is None or p["pass"] == args.pass_)
         and (args.generation is None or p["generation"] == args.generation)
+        and (args.shape is None or p["shape"] == args.shape)
     ]
     commands = list(dict.fromkeys(p["command"] for p in points))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:

@@ -368,6 +368,10 @@ TRAINING_FILES = (
     # v5e_train_flash_before_one_compare(_rest).json the previous kernel in the same session
     "v5e_train_flash_one_compare.json",
     "v5e_train_flash_one_compare_rest.json",
+    # forward + backward with the soft-capped forward against a fixed max
+    # (tiling.softcap_fixed_max), Gemma; v5e_train_flash_before_fixed_max.json the previous
+    # kernel in the same session
+    "v5e_train_flash_fixed_max.json",
 )
 _TRAIN_IMPLS = ("ours", "anchor:splash", "anchor:megablox_large", "anchor:megablox_tall")
 

@@ -8,6 +8,7 @@ with `kernels.get_local_kernel`, so every test also exercises the packaging.
 from __future__ import annotations
 
 import functools
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,7 +34,17 @@ def load_kernel(key: str):
     """The built torch-cpu package of kernels/<key> (e.g. "ragged_dot"), as `get_kernel` returns it."""
     from kernels import get_local_kernel
 
-    return get_local_kernel(variant_path(key), backend="cpu")
+    pkg = get_local_kernel(variant_path(key), backend="cpu")
+    # `kernels` names a package by a hash of its files, so a second build of the same files (the
+    # runner's repos, built_collection) loaded earlier in the session left its submodules in
+    # sys.modules under this package's name: the new package module finds them there and never
+    # binds them as attributes (pkg.schedule would be missing). Bind what is missing.
+    prefix = pkg.__name__ + "."
+    for name, module in list(sys.modules.items()):
+        sub = name[len(prefix) :]
+        if name.startswith(prefix) and "." not in sub and not hasattr(pkg, sub):
+            setattr(pkg, sub, module)
+    return pkg
 
 
 @functools.cache

@@ -128,6 +128,42 @@ def _check_dense(
     return o, lse
 
 
+def test_softcap_fixed_max_keeps_every_exp_a_normal_f32():
+    """tiling.softcap_fixed_max: the static max of a soft-capped forward keeps exp2(s - M) of
+    every capped score s within [2^FIXED_MAX_LOWEST_EXP, 2^FIXED_MAX_HIGHEST_EXP] (at most 1
+    up to a cap of 34.6), and is None without a cap, with sinks, or past the widest cap."""
+    assert T.softcap_fixed_max(0.0, False) is None
+    assert T.softcap_fixed_max(50.0, True) is None
+    assert T.softcap_fixed_max(60.0, False) is None  # c = 86.6: 2^(2c - 100) > 2^64
+    for cap, highest in ((1.0, 0.0), (30.0, 0.0), (34.6, 0.0), (50.0, 44.27), (56.0, 61.58)):
+        m, c = T.softcap_fixed_max(cap, False), cap * T.LOG2E
+        assert -c - m >= T.FIXED_MAX_LOWEST_EXP - 1e-9
+        assert c - m == pytest.approx(highest, abs=0.01) and c - m <= T.FIXED_MAX_HIGHEST_EXP
+
+
+def _saturated_case(Sq, Sk, softcap, seed=0):
+    """q and k along one direction so that soft-capped scores sit at either end of the cap: one
+    q head's rows score every key near -cap (exps down to 2^-100 against a fixed max), one near
+    +cap (the largest exps), two in between; GQA, values and noise random."""
+    u = jnp.ones((64,), jnp.float32) / 8.0
+    sign = jnp.asarray([-1.0, 1.0, 0.02, -0.02])[None, :, None, None]
+    q = 400.0 * sign * u + 0.1 * _rand(seed, (1, 4, Sq, 64))
+    k = (1.0 + 0.5 * jnp.abs(_rand(seed + 1, (1, 2, Sk, 1)))) * 8.0 * u
+    v = _rand(seed + 2, (1, 2, Sk, 64))
+    return q, k, v
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("softcap", [50.0, 80.0])  # the fixed max; the running max (too wide)
+def test_softcap_scores_at_both_ends_of_the_cap(softcap):
+    """Scores pushed against both ends of the cap (`_saturated_case`: scaled products of +-50 to +-125 against
+    a cap of 50 or 80), with a window (masked tiles) and bottom-right causal rows that see no
+    key (Sq > Sk), forward and backward against the f32 reference."""
+    assert (T.softcap_fixed_max(softcap, False) is None) == (softcap == 80.0)
+    cfg = dict(causal=True, window_size=(20, -1), softcap=softcap)
+    _check_dense(*_saturated_case(56, 40, softcap), None, None, None, cfg)
+
+
 @st.composite
 def dense_configs(draw):
     hkv = draw(st.sampled_from([1, 2]))
@@ -892,7 +928,9 @@ def test_walk_groups_every_range_length(causal, window, lengths):
     )
 
 
-def _program(gen, q_heads, kv_heads, seq, head_dim, window, softcap, unroll=None, causal=True):
+def _program(
+    gen, q_heads, kv_heads, seq, head_dim, window, softcap, unroll=None, causal=True, sinks=False
+):
     """(walk unroll, estimated program bundles, overlay, the tiles) of the forward at the
     kernel's own tiles: _walk_unroll's choice, or `unroll`."""
     t = T.choose_tiles(
@@ -910,25 +948,35 @@ def _program(gen, q_heads, kv_heads, seq, head_dim, window, softcap, unroll=None
     iq = T.interior_q_compute(gen, t, G, head_dim, 2, False)
     band = K.Band.make(causal, window - 1 if window else -1, 0 if window else -1)
     prob = K._Problem(1, kv_heads, G, seq, seq, head_dim, band, 1.0, softcap, 1, None)
-    unroll = unroll or K._walk_unroll(gen, t, prob, iq)
+    unroll = unroll or K._walk_unroll(gen, t, prob, iq, sinks)
     vregs = K._forward_score_vregs(t, G, iq, unroll)
-    return (unroll, *T.forward_program_bundles(gen, vregs, head_dim, softcap), t)
+    return (unroll, *T.forward_program_bundles(gen, vregs, head_dim, softcap, sinks), t)
 
 
 # Deviceless dumps (libtpu 0.0.42, llo_schedule.py): (generation, q heads, kv heads, tokens, head
-# dim, window, soft cap, walk unroll) -> the forward's bundles, and whether one overlay held it.
+# dim, window, soft cap, walk unroll, sinks) -> the forward's bundles, and whether one overlay held
+# it. The soft-capped ones with sinks are the running max's programs (dumped before the fixed
+# max, without sinks, which add a few bundles of init); without, the fixed max's (2026-12-08,
+# `llo_schedule.py` on schedule_targets.compile_flash_forward with the walk's unroll forced).
 PROGRAM_DUMPS = [
-    (("v5e", 32, 8, 8192, 128, 1024, 0.0, 4), 45_867, True),
-    (("v5e", 32, 8, 8192, 128, 1024, 30.0, 4), 46_944, True),
-    (("v5e", 16, 8, 8192, 256, 4096, 50.0, 4), 41_087, True),
-    (("v5e", 32, 1, 4096, 128, 0, 0.0, 1), 55_688, True),
-    (("v6e", 32, 8, 8192, 128, 1024, 0.0, 4), 57_421, True),
-    (("v6e", 32, 8, 8192, 128, 1024, 30.0, 4), 66_828, False),
-    (("v6e", 16, 8, 8192, 256, 4096, 50.0, 4), 36_049, True),
-    (("tpu7x", 32, 8, 8192, 128, 1024, 0.0, 4), 29_446, True),
-    (("tpu7x", 32, 8, 8192, 128, 1024, 30.0, 4), 34_887, True),
-    (("tpu7x", 16, 8, 8192, 256, 4096, 50.0, 4), 37_381, True),
-    (("tpu7x", 48, 8, 8192, 128, 0, 30.0, 4), 50_066, True),
+    (("v5e", 32, 8, 8192, 128, 1024, 0.0, 4, False), 45_867, True),
+    (("v5e", 32, 8, 8192, 128, 1024, 30.0, 4, True), 46_944, True),
+    (("v5e", 16, 8, 8192, 256, 4096, 50.0, 4, True), 41_087, True),
+    (("v5e", 32, 8, 8192, 128, 1024, 30.0, 4, False), 43_813, True),
+    (("v5e", 16, 8, 8192, 256, 4096, 50.0, 4, False), 38_356, True),
+    (("v5e", 32, 1, 4096, 128, 0, 0.0, 1, False), 55_688, True),
+    (("v6e", 32, 8, 8192, 128, 1024, 0.0, 4, False), 57_421, True),
+    (("v6e", 32, 8, 8192, 128, 1024, 30.0, 4, True), 66_828, False),
+    (("v6e", 16, 8, 8192, 256, 4096, 50.0, 4, True), 36_049, True),
+    (("v6e", 32, 8, 8192, 128, 1024, 30.0, 4, False), 63_467, True),
+    (("v6e", 16, 8, 8192, 256, 4096, 50.0, 4, False), 32_663, True),
+    (("tpu7x", 32, 8, 8192, 128, 1024, 0.0, 4, False), 29_446, True),
+    (("tpu7x", 32, 8, 8192, 128, 1024, 30.0, 4, True), 34_887, True),
+    (("tpu7x", 16, 8, 8192, 256, 4096, 50.0, 4, True), 37_381, True),
+    (("tpu7x", 48, 8, 8192, 128, 0, 30.0, 4, True), 50_066, True),
+    (("tpu7x", 32, 8, 8192, 128, 1024, 30.0, 4, False), 26_573, True),
+    (("tpu7x", 16, 8, 8192, 256, 4096, 50.0, 4, False), 26_377, True),
+    (("tpu7x", 48, 8, 8192, 128, 0, 30.0, 4, False), 37_619, True),
 ]
 
 
@@ -936,15 +984,18 @@ def test_forward_program_estimate_matches_the_dumps_and_bounds_the_walk():
     """tiling.forward_program_bundles against the dumped programs (within 6%; v6e's and TPU7x's
     fitted points within 0.1%, v5e's within 3.6%), a program libtpu cut into overlays over its
     generation's bound; the walk's unroll halves exactly where the estimate leaves the overlay
-    (v6e's soft-capped Llama-3-8B, v5e's 32-head MQA) and nowhere else: not on TPU7x's
-    soft-capped 48 / 8 heads (50,066 bundles in one overlay at four) nor on a named row."""
-    for (gen, hq, hkv, seq, d, window, softcap, unroll), bundles, fits in PROGRAM_DUMPS:
-        _, est, overlay, _ = _program(gen, hq, hkv, seq, d, window, softcap, unroll)
-        assert est == pytest.approx(bundles, rel=0.06), (gen, hq, hkv, d, softcap)
+    (v6e's soft-capped Llama-3-8B with sinks, v5e's 32-head MQA) and nowhere else: not on
+    TPU7x's soft-capped 48 / 8 heads (50,066 bundles in one overlay at four), not on v6e's
+    soft-capped Llama-3-8B without sinks (the fixed max: 63,467), nor on a named row."""
+    for (gen, hq, hkv, seq, d, window, softcap, unroll, sinks), bundles, fits in PROGRAM_DUMPS:
+        _, est, overlay, _ = _program(gen, hq, hkv, seq, d, window, softcap, unroll, sinks=sinks)
+        assert est == pytest.approx(bundles, rel=0.06), (gen, hq, hkv, d, softcap, sinks)
         assert (bundles <= overlay) == fits, (gen, hq, hkv, d, softcap, bundles, overlay)
-    assert _program("v6e", 32, 8, 8192, 128, 1024, 30.0)[0] == 2
+    llama_capped = ("v6e", 32, 8, 8192, 128, 1024, 30.0)
+    assert _program(*llama_capped, sinks=True)[0] == 2
+    assert _program(*llama_capped)[0] == 4  # the fixed max's walk of 4 fits (63,467)
     assert _program("v5e", 32, 1, 4096, 128, 0, 0.0)[0] == 1
-    assert _program("tpu7x", 48, 8, 8192, 128, 0, 30.0)[0] == 4
+    assert _program("tpu7x", 48, 8, 8192, 128, 0, 30.0, sinks=True)[0] == 4
     import shapes
 
     for s in shapes.NAMED["flash_attention"]:
@@ -1039,6 +1090,25 @@ def test_tpu_interpret_one_compare_masks():
     with tpu_interpreter.race_checked():
         _check_dense(
             *_dense_case(1, 4, 2, 64, 64, 64, jnp.float32, True, (40, -1), 0.0, False, False),
+            tiles=TINY,
+            interpret=_tpu_params(),
+        )
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.timeout(300)
+def test_tpu_interpret_softcap_fixed_max():
+    """A soft cap of 50 (the fixed max) in TPU interpret mode: scores at both ends of the cap,
+    rows that see no key, masked tiles; race-free, and no NaN from the scratch's NaN fill (m is
+    never loaded there, only written at a q block's first item)."""
+    cfg = dict(causal=True, window_size=(20, -1), softcap=50.0)
+    with tpu_interpreter.race_checked():
+        _check_dense(
+            *_saturated_case(48, 32, 50.0),
+            None,
+            None,
+            None,
+            cfg,
             tiles=TINY,
             interpret=_tpu_params(),
         )

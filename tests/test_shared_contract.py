@@ -616,6 +616,7 @@ def test_tile_bundle_model_matches_the_dumps():
         assert not (p["masked"] and p["path"] == "interior"), p
         g = gens.GENERATIONS[p["generation"]]
         kw = dict(softcap=p["softcap"], two_edges=p["two_edges"], exp_bf16=p["exp_bf16"])
+        kw["fixed_max"] = p.get("fixed_max", False)
         u = T.fwd_tile_units(g, p["rows"], p["cols"], p["head_dim"], **kw)
         # The dump's loop body holds a whole number of this tile's MXU pushes.
         assert p["hot_loop_vmatmul"] == p["tiles_per_iteration"] * u["mxu_pushes"], p

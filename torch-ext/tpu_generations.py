@@ -327,6 +327,8 @@ class TileBundleModel:
     memory_issue: float = 0.0  # 0: VMEM loads / stores not calibrated (never bound a tile)
     step_vreg_bundles: float = 0.0
     step_fixed_bundles: float = 0.0
+    # A tile bound by its EUP pushes alone issues them at this factor (None: vector_issue).
+    eup_issue: float | None = None
     valu_slots: int = 4  # the dumps' CAPACITY row
     eup_slots: int = 1
     vload_slots: int = 3
@@ -366,6 +368,10 @@ TILE_BUNDLE_MODELS: dict[str, TileBundleModel] = {
         memory_issue=1.28,
         step_vreg_bundles=0.89,
         step_fixed_bundles=211,
+        # The flash forward's soft-capped tiles against a fixed max (a tanh and an f32 exp per
+        # score, little VALU work: Gemma-like d=256, 1,261 bundles a 1024 x 512 tile) issue
+        # their EUP pushes about one a bundle.
+        eup_issue=1.0,
     ),
 }
 # No dump of v5p was read: v5e's constants (same MXU geometry), marked uncalibrated.
@@ -400,12 +406,14 @@ def tile_bundles(
     """Bundles the LLO scheduler needs for `tiles` compute tiles that together push
     `mxu_pushes` / `eup_pushes` / `valu_ops` through the MXU / EUP / VALU and load / store
     `vmem_loads` / `vmem_stores` vregs (one tile: tiles=1): max(MXU cycles x mxu_issue, vector
-    slot-cycles x vector_issue, VMEM load / store slot-cycles x memory_issue) + tiles x fixed
+    slot-cycles x vector_issue (EUP pushes x eup_issue where set), VMEM load / store
+    slot-cycles x memory_issue) + tiles x fixed
     bundles (`TileBundleModel`). Per-tile inputs, or totals over homogeneous tiles, give the same
     answer (over tiles bound by different units, the totals' max is a lower bound)."""
     m = tile_bundle_model(gen)
     mxu = mxu_pushes * m.push_bundles * m.mxu_issue
-    vector = max(eup_pushes / m.eup_slots, valu_ops / m.valu_slots) * m.vector_issue
+    eup_issue = m.vector_issue if m.eup_issue is None else m.eup_issue
+    vector = max(eup_pushes / m.eup_slots * eup_issue, valu_ops / m.valu_slots * m.vector_issue)
     memory = max(vmem_loads / m.vload_slots, vmem_stores / m.vstore_slots) * m.memory_issue
     return max(mxu, vector, memory) + tiles * m.tile_fixed_bundles
 

@@ -279,6 +279,38 @@ def exp_in_bf16(generation, dtype) -> bool:
     return gen.name in BF16_EXP_GENERATIONS
 
 
+# A soft cap bounds every base-2 score: |s| <= c = softcap * log2(e). The forward then takes its
+# exps against one static max M for every row instead of each row's running max: no row max and
+# its cross-lane reduction, no rescale exp, no rescale multiply of the accumulator, and no chain
+# from one score tile to the next but the sums. exp2(s - M) spans 2^(-c - M) ... 2^(c - M);
+# M = min(c, -FIXED_MAX_LOWEST_EXP - c) keeps the smallest at or above 2^FIXED_MAX_LOWEST_EXP (a
+# normal f32 with all 24 bits: the TPU flushes denormals) and the largest at 1 where c <= 50,
+# at 2^(2c - 100) above (FIXED_MAX_HIGHEST_EXP bounds it: at 2^64 a row sum over 2^40 keys is
+# 2^104, an accumulator of values up to 2^20 over them 2^124, inside f32's 2^128). Gemma-2's cap
+# of 50: c = 72.1, M = 27.9, p <= 2^44.3. The exp takes f32 arguments on every generation:
+# rounding an argument as large as c to bf16 (8 bits) would move p by up to 2^(c / 512), 10% at
+# c = 72 (the running max keeps a bf16 argument small where it matters). Sinks take the running
+# max (a sink's logit is not bounded by the cap). libtpu 0.0.42 deviceless dumps, Gemma-like
+# d=256 window 4096 soft cap 50 (`llo_schedule.py ours gemma_d256_window4096_softcap50_8192`),
+# interior / walk loop / whole program bundles, running max -> fixed max: TPU7x 6,656 / 13,937 /
+# 35,260 -> 4,793 / 10,114 / 26,110 (EUP-bound: a tanh and an f32 exp per score); v6e 6,245 /
+# 13,444 / 33,600 -> 6,310 / 13,041 / 32,687; v5e (MXU-bound) 16,703 / 8,467 / 40,497 ->
+# 16,754 / 8,256 / 40,160.
+FIXED_MAX_LOWEST_EXP = -100.0
+FIXED_MAX_HIGHEST_EXP = 64.0
+LOG2E = math.log2(math.e)
+
+
+def softcap_fixed_max(softcap, has_sinks: bool) -> float | None:
+    """The static base-2 max M the forward's exps take with soft cap `softcap` (see above), or
+    None where it keeps each row's running max (no cap, sinks, or a cap too wide for f32)."""
+    if not softcap or has_sinks:
+        return None
+    c = float(softcap) * LOG2E
+    m = min(c, -FIXED_MAX_LOWEST_EXP - c)
+    return m if c - m <= FIXED_MAX_HIGHEST_EXP else None
+
+
 # Masked score tiles build one head's mask and apply it to the G heads a tile stacks (the
 # compares on 1/G-th of the tile; kernel._masked_scores adds it as a bias in the forward,
 # kernel._masked_probabilities selects in the backward) except on v5e at head_dim > 128,
@@ -340,34 +372,46 @@ INTERIOR_CHARGED_ROWS = 1024
 #   55,688 (55,899 in a 56,176-bundle overlay before the per-head masks; at groups of four
 #   131,353 bundles in 11 overlays, 2.16x slower on the chip: benchmarks/program_size_probe.py);
 # - v6e: Llama window 1024, 18 copies of 2048 x 512, 57,421 bundles (60,776 in a 61,120-bundle
-#   overlay before the per-head masks); with the soft cap 66,828, which libtpu cuts into 7
-#   overlays (72,071 before); Gemma-like 36,049;
+#   overlay before the per-head masks; 64,520 the largest overlay seen since, below); with the
+#   soft cap 66,828, which libtpu cuts into 7 overlays (72,071 before); Gemma-like 36,049;
 # - TPU7x: Llama window 1024, 18 copies of 1024 x 512, 29,446 / 34,887 bundles; Gemma-like
 #   37,381; 48 / 8 heads with the soft cap at 8192 tokens 50,066 in one 50,976-bundle overlay,
 #   estimated 50.3k: groups of four (two before the per-head masks: 51,561 bundles, estimated
 #   4% over the 52,472-bundle overlay it fitted).
+# Those soft-capped sizes are the running max's (a call with sinks). Against the fixed max
+# (`softcap_fixed_max`) the copies shrink; dumped at a walk of four (2026-12-08): v5e Llama
+# 43,813, Gemma-like 38,356; v6e Llama 63,467 in one 64,520-bundle overlay (the 2 x 2048 x 512
+# walk the running max could not fit), Gemma-like 32,663; TPU7x Llama 26,573, Gemma-like
+# 26,377, 48 / 8 heads 37,619 (`softcap_fixed_max` factors, the larger program's side).
 class ForwardCode(NamedTuple):
     per_vreg: float  # bundles per score vreg of a copy at D = 128
     per_vreg_d: float  # more per score vreg for each further 128 of D
-    softcap: float  # factor on a soft-capped forward's copies
+    softcap: float  # factor on a soft-capped forward's copies (the running max: sinks)
+    softcap_fixed_max: float  # ... against the fixed max (no sinks)
     overlay: int  # bundles: the largest overlay seen holding a forward
 
 
 FORWARD_FIXED_BUNDLES = 4_000  # init, write-out loops, the grid step's own code
 FORWARD_CODE = {
-    "v5e": ForwardCode(4.855, 3.213, 1.026, 56_176),
-    "v6e": ForwardCode(2.898, 0.059, 1.176, 61_120),
-    "tpu7x": ForwardCode(2.761, 0.223, 1.214, 52_472),
+    "v5e": ForwardCode(4.855, 3.213, 1.026, 0.95, 56_176),
+    "v6e": ForwardCode(2.898, 0.059, 1.176, 1.11, 64_520),
+    "tpu7x": ForwardCode(2.761, 0.223, 1.214, 0.85, 52_472),
 }
 
 
-def forward_program_bundles(generation, score_vregs: float, head_dim: int, softcap: float):
+def forward_program_bundles(
+    generation, score_vregs: float, head_dim: int, softcap: float, has_sinks: bool = False
+):
     """The flash forward's estimated program size in bundles, and the overlay it must fit (a
     generation not listed takes the smallest)."""
     gen = get_generation(generation)
     code = FORWARD_CODE.get(gen.name) or min(FORWARD_CODE.values(), key=lambda c: c.overlay)
     per_vreg = code.per_vreg + code.per_vreg_d * max(head_dim / 128 - 1, 0.0)
-    est = FORWARD_FIXED_BUNDLES + score_vregs * per_vreg * (code.softcap if softcap else 1.0)
+    factor = 1.0
+    if softcap:
+        fixed = softcap_fixed_max(softcap, has_sinks) is not None
+        factor = code.softcap_fixed_max if fixed else code.softcap
+    est = FORWARD_FIXED_BUNDLES + score_vregs * per_vreg * factor
     return est, code.overlay
 
 
@@ -724,6 +768,15 @@ FWD_VALU_PER_SCORE_VREG = {  # (interior, walk's chain added, mask added)
 FWD_VALU_PER_SCORE_VREG["v5p"] = FWD_VALU_PER_SCORE_VREG["v5e"]
 VALU_PER_ACC_VREG = 2.0
 VALU_SECOND_EDGE_PER_SCORE_VREG = 0.8
+# A soft-capped forward against a fixed max (`softcap_fixed_max`): the EUP takes a tanh and an
+# f32 exp2 per score and no rescale exp; the VALU drops the running max (less these ops a score
+# vreg), the accumulator's rescale multiply (one op per accumulator vreg, not two) and the
+# walk's chain. Fitted on the Gemma-like calibration points (d=256, window 4096, cap 50)
+# re-dumped with the fixed max: v6e 1,578 / 1,579 / 1,675 bundles (interior / walk / masked
+# walk, 1024 x 512), TPU7x 1,261 / 1,262 / 1,306; v5e's (MXU-bound, 984 / 989 / 1,002 at
+# 512 x 256) carry no signal: the running max's one vmax a score vreg.
+FWD_VALU_FIXED_MAX_SAVED_PER_SCORE_VREG = {"v5e": 1.0, "v6e": 1.2, "tpu7x": 2.5}
+FWD_VALU_FIXED_MAX_SAVED_PER_SCORE_VREG["v5p"] = FWD_VALU_FIXED_MAX_SAVED_PER_SCORE_VREG["v5e"]
 
 
 def one_edge_tiles(band: Band, rows: int, cols: int, sequence_ends: bool) -> bool:
@@ -772,22 +825,31 @@ def fwd_tile_units(
     softcap=False,
     two_edges=False,
     exp_bf16=False,
+    fixed_max=False,
 ):
     """Per score tile of `rows` stacked query rows x `cols` keys: MXU pushes (QK^T and PV), EUP
     pushes and VALU ops of an interior (mask-free) tile, and the VALU ops the walk's chain
     (`walk_valu_ops`), a mask (`two_edges`: one that compares against both edges of a band,
-    `compares_both_edges`) and segment ids add."""
+    `compares_both_edges`) and segment ids add. `fixed_max`: a soft-capped tile against a fixed
+    max (`softcap_fixed_max`), exp in f32 whatever `exp_bf16` says."""
     interior, walk, mask = FWD_VALU_PER_SCORE_VREG[gen.name]
     dp = _r(head_dim, NUM_LANES)
     score_vregs = rows * cols / (NUM_SUBLANES * NUM_LANES)
     acc_vregs = rows * dp / (NUM_SUBLANES * NUM_LANES)
-    valu = interior * score_vregs + VALU_PER_ACC_VREG * acc_vregs
+    rescale_exps = rows // NUM_SUBLANES
+    per_acc_vreg = VALU_PER_ACC_VREG
+    if fixed_max:
+        if not softcap:
+            raise ValueError("fixed_max needs softcap: only a soft cap bounds the scores")
+        interior -= FWD_VALU_FIXED_MAX_SAVED_PER_SCORE_VREG[gen.name]
+        walk, exp_bf16, rescale_exps, per_acc_vreg = 0.0, False, 0, VALU_PER_ACC_VREG - 1
+    valu = interior * score_vregs + per_acc_vreg * acc_vregs
     if softcap:
         valu += VALU_SOFTCAP_PER_SCORE_VREG * score_vregs
     exp_pushes = score_vregs / 2 if exp_bf16 else score_vregs
     return {
         "mxu_pushes": mxu_pushes(gen, rows, dp, cols) + mxu_pushes(gen, rows, cols, dp),
-        "eup_pushes": int(exp_pushes + (score_vregs if softcap else 0) + rows // NUM_SUBLANES),
+        "eup_pushes": int(exp_pushes + (score_vregs if softcap else 0) + rescale_exps),
         "valu_ops": valu,
         "walk_valu_ops": walk * score_vregs,
         "masked_valu_ops": (mask + (VALU_SECOND_EDGE_PER_SCORE_VREG if two_edges else 0.0))
@@ -807,12 +869,13 @@ def fwd_tile_bundles(
     softcap=False,
     two_edges=False,
     exp_bf16=False,
+    fixed_max=False,
 ) -> float:
     """Bundles the model gives one forward score tile on `path` ("interior" or "walk";
     `fwd_tile_units` through tile_bundles): what the calibration points' model figures are."""
     if path not in FWD_PATHS:
         raise ValueError(f"path must be one of {FWD_PATHS}, got {path!r}")
-    u = fwd_tile_units(gen, rows, cols, head_dim, softcap, two_edges, exp_bf16)
+    u = fwd_tile_units(gen, rows, cols, head_dim, softcap, two_edges, exp_bf16, fixed_max)
     valu = u["valu_ops"]
     if path == "walk":
         valu += u["walk_valu_ops"] + (u["masked_valu_ops"] if masked else 0.0)
@@ -1051,8 +1114,8 @@ def estimate_cost(
 
     `calls`: a list that receives one `pl.CostEstimate`-style dict per pallas_call (flops =
     issued MXU FLOPs, transcendentals = exp (and tanh with `softcap`) per computed score element
-    plus the forward's rescale exp per row per tile, bytes_accessed = its HBM bytes), in call
-    order; the kernels pass them to their pallas_calls."""
+    plus the forward's rescale exp per row per tile, none against a fixed max, bytes_accessed =
+    its HBM bytes), in call order; the kernels pass them to their pallas_calls."""
     has_ids = q_segment_ids is not None
     segments = segments or has_ids
 
@@ -1180,10 +1243,12 @@ def estimate_cost(
         )
         need = vmem_need_fwd(G, D, isz, bq, bk, bkc, segments, bqc)
         gen_f = get_generation(generation)
+        fixed_max = softcap_fixed_max(softcap, has_sinks) is not None
         kw = dict(
             softcap=bool(softcap),
             two_edges=compares_both_edges(band, bqc, bkc, sequence_ends),
             exp_bf16=exp_in_bf16(gen_f, dtype),
+            fixed_max=fixed_max,
         )
         units = fwd_tile_units(gen_f, G * bqc, bkc, D, **kw)
         # Interior items run their q tiles on the interior path, on v6e taller
@@ -1206,7 +1271,8 @@ def estimate_cost(
             calls.append(
                 dict(
                     flops=mxu,
-                    transcendentals=elems * (2 if softcap else 1) + Hkv * live_tiles * G * bqc,
+                    transcendentals=elems * (2 if softcap else 1)
+                    + (0 if fixed_max else Hkv * live_tiles * G * bqc),
                     bytes_accessed=hbm,
                 )
             )
