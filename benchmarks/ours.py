@@ -373,7 +373,10 @@ class FlashAttention(Adapter):
 
     def _tiles(self, shape, generation, tiles=None):
         """The tiles the kernel picks for the shape (or `tiles`)."""
-        return tiles or self.mod.tiling.choose_tiles(
+        if tiles:
+            return tiles
+        T = self.mod.tiling
+        picked = T.choose_tiles(
             q_len=shape.seq,
             kv_len=shape.seq,
             num_q_heads=shape.q_heads,
@@ -385,6 +388,7 @@ class FlashAttention(Adapter):
             generation=generation,
             segments=shape.segment_ids() is not None,
         )
+        return T.with_fixed_max_kv_compute(generation, picked, shape.softcap, False)
 
     def cost(self, shape, generation, tiles=None):
         ids = shape.segment_ids()

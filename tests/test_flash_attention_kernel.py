@@ -141,6 +141,21 @@ def test_softcap_fixed_max_keeps_every_exp_a_normal_f32():
         assert c - m == pytest.approx(highest, abs=0.01) and c - m <= T.FIXED_MAX_HIGHEST_EXP
 
 
+def test_v6e_soft_capped_forward_narrows_its_kv_slices():
+    """tiling.with_fixed_max_kv_compute: v6e's forward against a fixed max takes 256-key kv
+    compute slices; with sinks, without a cap, on TPU7x or v5e, or where the ranked slice is no
+    wider, the ranked tile stays."""
+    t = T.Tiles(2048, 2048, 512, 1024, 1024, block_q_compute=512)
+    narrowed = T.with_fixed_max_kv_compute("v6e", t, 50.0, False)
+    assert narrowed == dataclasses.replace(t, block_kv_compute=256)
+    assert T.with_fixed_max_kv_compute("v6e", t, 50.0, True) == t
+    assert T.with_fixed_max_kv_compute("v6e", t, 0.0, False) == t
+    assert T.with_fixed_max_kv_compute("tpu7x", t, 50.0, False) == t
+    assert T.with_fixed_max_kv_compute("v5e", t, 50.0, False) == t
+    narrow = T.Tiles(1024, 1024, 128, 512, 512, block_q_compute=256)
+    assert T.with_fixed_max_kv_compute("v6e", narrow, 50.0, False) == narrow
+
+
 def _saturated_case(Sq, Sk, softcap, seed=0):
     """q and k along one direction so that soft-capped scores sit at either end of the cap: one
     q head's rows score every key near -cap (exps down to 2^-100 against a fixed max), one near

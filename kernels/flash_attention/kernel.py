@@ -1661,6 +1661,7 @@ def _prepare(
     generation,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    has_sinks=False,
 ):
     """Common layout work: returns (q5, k4, v4, seqs, qseg, kseg, prob, tiles, sizes)."""
     if varlen:
@@ -1694,6 +1695,7 @@ def _prepare(
             total_kv=Sk,
             segments=q_segment_ids is not None,
         )
+        tiles = _tiling.with_fixed_max_kv_compute(generation, tiles, softcap, has_sinks)
     Sq_p, Sk_p = _round_up(Sq, tiles.q_multiple), _round_up(Sk, tiles.kv_multiple)
     tiles = _tiling.with_vmem_limits(
         tiles, G, D, q.dtype, generation, q_segment_ids is not None, Sq_p
@@ -1787,6 +1789,7 @@ def flash_attention_fwd(
         generation=generation,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        has_sinks=sinks is not None,
     )
     exp_bf16 = _tiling.exp_in_bf16(generation, q.dtype)
     interior_q = _tiling.interior_q_compute(
@@ -1844,6 +1847,7 @@ def flash_attention_bwd(
         generation=generation,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        has_sinks=sinks is not None,
     )
     B, Hq, Sq, Sk, D = sizes
 

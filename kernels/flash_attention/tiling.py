@@ -311,6 +311,29 @@ def softcap_fixed_max(softcap, has_sinks: bool) -> float | None:
     return m if c - m <= FIXED_MAX_HIGHEST_EXP else None
 
 
+# v6e's forward against the fixed max runs its kv compute slices 256 keys wide: its tiles have
+# no chain between them, and at 256 keys the interior path's region holds two q tiles
+# (kernel._interior_unroll) whose EUP and MXU work the scheduler interleaves, where a 512-key
+# tile's exps and matmuls take turns. Deviceless dumps, Gemma-like d=256 window 4096 cap 50,
+# 2048 / 512 / 2048 blocks (`llo_schedule.py schedule_targets:compile_flash_tiles`), bundles
+# per 1,024 MXU pushes, kv slices of 512 -> 256: v6e interior 6,310 -> 4,925, masked walk
+# 6,513 -> 6,194, program 32,714 -> 28,163; TPU7x interior 5,043 -> 5,100 and walk 5,142 ->
+# 6,714 (worse: it keeps the ranked tile). The tile ranking does not see the soft cap, so this
+# narrows its pick afterwards.
+FIXED_MAX_KV_COMPUTE = {"v6e": 256}
+
+
+def with_fixed_max_kv_compute(generation, tiles, softcap, has_sinks: bool):
+    """`tiles` with the forward's kv compute slice narrowed to FIXED_MAX_KV_COMPUTE where the
+    forward runs against a fixed max (`softcap_fixed_max`) on that generation."""
+    width = FIXED_MAX_KV_COMPUTE.get(get_generation(generation).name)
+    if width is None or softcap_fixed_max(softcap, has_sinks) is None:
+        return tiles
+    if tiles.block_kv_compute <= width or tiles.block_kv % width:
+        return tiles
+    return dataclasses.replace(tiles, block_kv_compute=width)
+
+
 # Masked score tiles build one head's mask and apply it to the G heads a tile stacks (the
 # compares on 1/G-th of the tile; kernel._masked_scores adds it as a bias in the forward,
 # kernel._masked_probabilities selects in the backward) except on v5e at head_dim > 128,
@@ -1132,6 +1155,7 @@ def estimate_cost(
             generation=generation,
             segments=segments,
         )
+        tiles = with_fixed_max_kv_compute(generation, tiles, softcap, has_sinks)
     isz = _itemsize(dtype)
     G = num_q_heads // num_kv_heads
     B, Hkv, D = batch, num_kv_heads, head_dim
