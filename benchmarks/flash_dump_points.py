@@ -40,10 +40,10 @@ def select_loop(schedule: dict, point: dict, mxu_pushes: int) -> dict:
     positive multiple of the tile's MXU pushes and that select (vsel) exactly when the point is a
     masked one, the one with the most bundles (the edge walk compiles a masked loop on each side
     of the mask-free run; they match). A group loop of two bodies alike, neither selecting, is
-    the walk of a call with nothing to mask: a mask-free point reads either body. A forward point also names its path: "walk" takes a body
-    of the walk's group loop (or, where the walk has no mask-free body, as with segment ids, its
-    one masked loop), "interior" an innermost loop that never selects and holds one body (the
-    interior path's q-tile loop)."""
+    the walk of a call with nothing to mask: a mask-free point reads either body. A forward point
+    also names its path: "walk" takes a body of the walk's group loop (or, where the walk has no
+    mask-free body, as with segment ids, its one masked loop), "interior" an innermost loop that
+    never selects and holds one body (the interior path's q-tile loop)."""
     path = point.get("path")
     found = []
     for loop in schedule["loops"]:

@@ -171,9 +171,9 @@ def _saturated_case(Sq, Sk, softcap, seed=0):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("softcap", [50.0, 80.0])  # the fixed max; the running max (too wide)
 def test_softcap_scores_at_both_ends_of_the_cap(softcap):
-    """Scores pushed against both ends of the cap (`_saturated_case`: scaled products of +-50 to +-125 against
-    a cap of 50 or 80), with a window (masked tiles) and bottom-right causal rows that see no
-    key (Sq > Sk), forward and backward against the f32 reference."""
+    """Scores pushed against both ends of the cap (`_saturated_case`: scaled products of +-50 to
+    +-125 against a cap of 50 or 80), with a window (masked tiles) and bottom-right causal rows
+    that see no key (Sq > Sk), forward and backward against the f32 reference."""
     assert (T.softcap_fixed_max(softcap, False) is None) == (softcap == 80.0)
     cfg = dict(causal=True, window_size=(20, -1), softcap=softcap)
     _check_dense(*_saturated_case(56, 40, softcap), None, None, None, cfg)
@@ -534,8 +534,9 @@ def test_dense_tile_masks_leave_out_the_sequence_ends_no_block_holds(
 ):
     """A dense call's sequences start at token 0 and end at their padded length unless padding
     follows them (`SeqEdges`): its masks leave those compares out, and with a band too wide for
-    one tile to meet both of its edges (`tiling.one_edge_tiles`: bands (-20, 0), (-40, 40) against 8- and
-    16-wide tiles) compare each score against one side. Every form equals the rule."""
+    one tile to meet both of its edges (`tiling.one_edge_tiles`: bands (-20, 0), (-40, 40)
+    against 8- and 16-wide tiles) compare each score against one side. Every form equals the
+    rule."""
     big = K._UNBOUNDED
     b = K.Band(-big if band[0] is None else band[0], big if band[1] is None else band[1])
     # An unpadded sequence ends at its padded length, past every tile here.
